@@ -1,0 +1,38 @@
+"""hf_retrace: ReTrace speculative decoding (rejected-trajectory conditioning on a DFlash drafter) for transformers.
+
+`import hf_retrace` registers the drafter with the Auto classes and makes
+`target.generate(..., assistant_model=drafter)` pick the ReTrace candidate generator.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
+from .generation_retrace import (
+    ReTraceCandidateGenerator,
+    ReTraceGenerationStats,
+    build_rejected_trajectory,
+    install_generate_hook,
+    retrace_generate,
+)
+from .modeling_retrace import ReTraceConditioning, ReTraceDrafterModel, ReTraceDrafterPreTrainedModel
+
+
+__version__ = "0.1.0"
+
+AutoConfig.register(ReTraceDrafterConfig.model_type, ReTraceDrafterConfig, exist_ok=True)
+AutoModel.register(ReTraceDrafterConfig, ReTraceDrafterModel, exist_ok=True)
+install_generate_hook()
+
+__all__ = [
+    "RETRACE_MODES",
+    "ReTraceCandidateGenerator",
+    "ReTraceConditioning",
+    "ReTraceDrafterConfig",
+    "ReTraceDrafterModel",
+    "ReTraceDrafterPreTrainedModel",
+    "ReTraceGenerationStats",
+    "build_rejected_trajectory",
+    "default_target_layer_ids",
+    "install_generate_hook",
+    "retrace_generate",
+]
