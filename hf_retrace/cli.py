@@ -1,0 +1,25 @@
+"""`hf-retrace` console script: `hf-retrace {bench,analyze,publish} ...`; each subcommand owns its own parser."""
+
+import importlib
+import sys
+
+
+_SUBCOMMANDS = {
+    "bench": ("hf_retrace.bench", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
+    "analyze": ("hf_retrace.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
+    "publish": ("hf_retrace.hub", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _SUBCOMMANDS:
+        lines = [f"  {name:<8} {help_}" for name, (_, _, help_) in _SUBCOMMANDS.items()]
+        print("usage: hf-retrace {" + ",".join(_SUBCOMMANDS) + "} ...\n\n" + "\n".join(lines))
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    module_name, func_name, _ = _SUBCOMMANDS[argv[0]]
+    return getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
