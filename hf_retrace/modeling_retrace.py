@@ -387,3 +387,9 @@ __all__ = [
     "drafter_config_kwargs_for_target",
     "dflash_config_to_retrace_kwargs",
 ]
+
+
+# `save_pretrained` copies the Hub files (this one and its relative imports) and writes `auto_map`, so a saved
+# drafter loads with `trust_remote_code=True` without hf_retrace installed.
+ReTraceDrafterConfig.register_for_auto_class()
+ReTraceDrafterModel.register_for_auto_class("AutoModel")

@@ -1,0 +1,84 @@
+"""Tiny random targets and drafters shared by the tests. Everything runs offline on CPU in seconds."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import hf_retrace  # noqa: E402,F401  (installs the generate hook)
+from hf_retrace import ReTraceDrafterModel  # noqa: E402
+
+
+VOCAB = 128
+# Tokens the "restricted" targets can emit: a and b = -a guarantee max(logit_a, logit_b) >= 0 = every other logit,
+# so greedy never leaves {a, b, c}; c is a third direction used as an EOS that appears mid-sequence.
+SUPPORT = (5, 6, 7)
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512, bos_token_id=1, eos_token_id=None,
+    pad_token_id=0,
+)  # fmt: skip
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"head_dim": 8}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 8}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"head_dim": 8, "sliding_window": None}),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"head_dim": 8, "sliding_window": 256, "query_pre_attn_scalar": 8},
+    ),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+}
+
+
+def make_target(arch: str = "qwen3", seed: int = 0, restricted: bool = True, **overrides):
+    """A tiny random causal LM. `restricted=True` makes its greedy choice always one of `SUPPORT`, so that a random
+    drafter (which scores drafts with the same lm head) gets tokens accepted and every `n` in `0..B-1` occurs."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    model = model_cls(config).eval()
+    if restricted:
+        with torch.no_grad():
+            head = model.get_output_embeddings().weight  # [V, H]
+            a, b, c = SUPPORT
+            direction, third = torch.randn(2, head.shape[1])
+            head.zero_()
+            head[a], head[b], head[c] = direction, -direction, 0.5 * third
+            # Same input embedding for a, b, c: the next token then depends on the whole context rather than
+            # flip-flopping on the last token, which gives runs a random drafter sometimes matches.
+            embed = model.get_input_embeddings().weight
+            embed[b], embed[c] = embed[a], embed[a]
+    return model
+
+
+def make_drafter(target, block_size: int = 4, mode: str = "corrected", seed: int = 1, nonzero_retrace: bool = True):
+    """A 1-layer drafter for `target`; `nonzero_retrace=True` gives W_v, W_c and the gate random values so the
+    conditioning path really changes the drafts."""
+    torch.manual_seed(seed)
+    drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=block_size, retrace_mode=mode)
+    if nonzero_retrace:
+        with torch.no_grad():
+            for param in drafter.retrace.parameters():
+                param.normal_(0.0, 0.5)
+    return drafter.eval()
+
+
+def random_prompt(length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(8, VOCAB, (1, length), generator=generator)
+
+
+@pytest.fixture
+def tiny_target():
+    return make_target("qwen3")
+
+
+@pytest.fixture
+def tiny_drafter(tiny_target):
+    return make_drafter(tiny_target)

@@ -1,0 +1,101 @@
+"""Lossless greedy decoding: ReTrace speculative output == target-only greedy output, token for token."""
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, SUPPORT, make_drafter, make_target, random_prompt
+from hf_retrace import RETRACE_MODES, retrace_generate
+
+
+BLOCK = 4
+# (prompt length, max_new_tokens): lengths not multiples of the block, and one shorter than a block; then more
+# prompts until every acceptance length has been seen (at most 16 in all).
+CASES = [(5, 23), (9, 2), (3, 30)] + [(3 + i % 6, 31) for i in range(13)]
+
+
+def _greedy(target, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("mode", RETRACE_MODES)
+def test_greedy_is_lossless(arch, mode):
+    target = make_target(arch)
+    drafter = make_drafter(target, block_size=BLOCK, mode=mode)
+    acceptance, conditioned = set(), 0
+    for i, (length, max_new) in enumerate(CASES):
+        prompt = random_prompt(length, seed=i)
+        expected = _greedy(target, prompt, max_new_tokens=max_new)
+        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"{arch}/{mode}: speculative output differs on case {i}"
+        stats = drafter.last_generation_stats
+        assert sum(stats.acceptance_lengths) <= max_new - 1  # the prefill token is not a verification cycle
+        acceptance.update(stats.acceptance_lengths)
+        conditioned += stats.num_conditioned_rounds
+        if i >= 2 and len(acceptance) == BLOCK:
+            break
+    # Every n in 0..B-1 (committed n+1 in 1..B) must have been exercised, or the test proves little.
+    assert acceptance == set(range(1, BLOCK + 1)), f"{arch}/{mode}: acceptance lengths seen {sorted(acceptance)}"
+    assert (conditioned > 0) == (mode != "off"), f"{arch}/{mode}: {conditioned} conditioned rounds"
+
+
+def _prompt_with_mid_block_eos(target, eos):
+    """A prompt whose target greedy text reaches `eos` after a few tokens, at a position inside a block."""
+    for seed in range(200):
+        prompt = random_prompt(6, seed=seed)
+        new = _greedy(target, prompt, max_new_tokens=40)[0, prompt.shape[1] :].tolist()
+        if eos in new and new.index(eos) >= 3 and (new.index(eos) - 1) % BLOCK != 0:
+            return prompt
+    raise AssertionError("no prompt reaches the EOS token mid-block; change the target seed")
+
+
+@pytest.mark.parametrize("mode", ["off", "corrected"])
+def test_eos_inside_a_block_stops_like_the_target(mode):
+    target = make_target("llama", seed=3)
+    drafter = make_drafter(target, block_size=BLOCK, mode=mode)
+    eos = SUPPORT[2]
+    prompt = _prompt_with_mid_block_eos(target, eos)
+    expected = _greedy(target, prompt, max_new_tokens=40, eos_token_id=eos)
+    got = _greedy(target, prompt, max_new_tokens=40, eos_token_id=eos, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()
+    assert got[0, -1].item() == eos
+
+
+def test_custom_generate_route_is_lossless_and_patches_nothing(tiny_target, tiny_drafter):
+    from transformers.generation.utils import GenerationMixin
+
+    before = GenerationMixin._get_candidate_generator
+    prompt = random_prompt(7, seed=11)
+    expected = _greedy(tiny_target, prompt, max_new_tokens=25)
+    got = _greedy(tiny_target, prompt, max_new_tokens=25, custom_generate=retrace_generate, drafter=tiny_drafter)
+    assert got.tolist() == expected.tolist()
+    assert GenerationMixin._get_candidate_generator is before
+    assert "_get_candidate_generator" not in vars(tiny_target)
+    assert tiny_drafter.last_generation_stats.num_drafter_forwards > 0
+
+
+def test_streamer_and_logits_processor_are_honoured(tiny_target, tiny_drafter):
+    from transformers.generation.logits_process import LogitsProcessorList, NoRepeatNGramLogitsProcessor
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.extend(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    prompt = random_prompt(5, seed=4)
+    processors = LogitsProcessorList([NoRepeatNGramLogitsProcessor(3)])
+    expected = _greedy(tiny_target, prompt, max_new_tokens=20, logits_processor=processors)
+    streamer = Collect()
+    got = _greedy(
+        tiny_target, prompt, max_new_tokens=20, logits_processor=processors, assistant_model=tiny_drafter,
+        streamer=streamer,
+    )  # fmt: skip
+    assert got.tolist() == expected.tolist()
+    assert streamer.tokens == got[0].tolist()  # prompt first, then every committed token once
+    torch.testing.assert_close(got, expected)
