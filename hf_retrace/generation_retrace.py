@@ -151,15 +151,9 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         return torch.cat(feats, dim=-1).to(self.device)
 
 
-def validate_drafter_for_target(target, drafter, batch_size: int) -> None:
-    """Raises `ValueError` with the fix when `drafter` cannot serve `target` (sizes, layers, batch)."""
+def validate_drafter_for_target(target, drafter) -> None:
+    """Raises `ValueError` with the fix when `drafter` was not built for `target` (sizes, vocabulary, depth)."""
     tcfg, dcfg = target.config.get_text_config(), drafter.config
-    if batch_size != 1:
-        raise ValueError(
-            f"ReTrace speculative decoding supports batch size 1 only, got {batch_size}: each sequence accepts a "
-            "different number of drafts per round, so target and drafter caches would diverge (transformers' "
-            "assisted decoding has the same limit). Call `generate` once per prompt."
-        )
     if dcfg.hidden_size != tcfg.hidden_size or dcfg.vocab_size != tcfg.vocab_size:
         raise ValueError(
             f"Drafter (hidden_size={dcfg.hidden_size}, vocab_size={dcfg.vocab_size}) does not match the target "
@@ -173,6 +167,15 @@ def validate_drafter_for_target(target, drafter, batch_size: int) -> None:
         )
 
 
+def check_batch_size(batch_size: int) -> None:
+    if batch_size != 1:
+        raise ValueError(
+            f"ReTrace speculative decoding supports batch size 1 only, got {batch_size}: each sequence accepts a "
+            "different number of drafts per round, so target and drafter caches would diverge (transformers' "
+            "assisted decoding has the same limit). Call `generate` once per prompt."
+        )
+
+
 def is_retrace_drafter(model) -> bool:
     """True for ReTrace drafters, whether from this package or loaded with `trust_remote_code`."""
     config = getattr(model, "config", None)
@@ -181,7 +184,8 @@ def is_retrace_drafter(model) -> bool:
 
 def make_candidate_generator(target, drafter, input_ids, generation_config, logits_processor):
     """Builds the ReTrace generator of `drafter`'s own code copy (package or remote code) for `target`."""
-    validate_drafter_for_target(target, drafter, input_ids.shape[0])
+    validate_drafter_for_target(target, drafter)
+    check_batch_size(input_ids.shape[0])
     generator_cls = _generator_class_of(drafter)
     return generator_cls(
         assistant_model=drafter,
@@ -200,12 +204,12 @@ def _generator_class_of(drafter):
 def install_generate_hook() -> None:
     """Makes `target.generate(..., assistant_model=retrace_drafter)` use [`ReTraceCandidateGenerator`].
 
-    transformers 5.24 has no public hook for an assistant to supply its candidate generator; the dispatch is
-    `GenerationMixin._get_candidate_generator`. This wraps it once (idempotent across package and remote-code
-    copies: the marker lives on the wrapper) and falls through to transformers for every other assistant.
+    transformers 5.24 has no public hook for an assistant to supply its candidate generator. This wraps, once, the
+    two `GenerationMixin` methods that decide it: `_validate_generation_mode` (so a mismatched drafter gets our
+    error, not the universal-assisted-decoding one) and `_get_candidate_generator` (the dispatch). Idempotent across
+    the package and remote-code copies (the marker lives on the wrapper); every other assistant falls through.
     """
-    current = GenerationMixin._get_candidate_generator
-    if getattr(current, "_retrace_hook", False):
+    if getattr(GenerationMixin._get_candidate_generator, "_retrace_hook", False):
         return
     installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
     if not SUPPORTED_TRANSFORMERS[0] <= installed < SUPPORTED_TRANSFORMERS[1]:
@@ -213,19 +217,33 @@ def install_generate_hook() -> None:
             f"hf_retrace's generate hook supports transformers >=5.24,<6; found {transformers.__version__}. "
             "Install a supported version (`pip install 'transformers>=5.24,<6'`)."
         )
+    GenerationMixin._validate_generation_mode = _wrap_validation(GenerationMixin._validate_generation_mode)
+    GenerationMixin._get_candidate_generator = _wrap_dispatch(GenerationMixin._get_candidate_generator)
 
-    @functools.wraps(current)
+
+def _wrap_validation(original):
+    @functools.wraps(original)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if is_retrace_drafter(generation_mode_kwargs.get("assistant_model")):
+            validate_drafter_for_target(self, generation_mode_kwargs["assistant_model"])
+        return original(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    return _validate_generation_mode
+
+
+def _wrap_dispatch(original):
+    @functools.wraps(original)
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, **kwargs):  # fmt: skip
         if is_retrace_drafter(assistant_model) and generation_config.speculation_type in (None, "retrace"):
             return make_candidate_generator(self, assistant_model, input_ids, generation_config, logits_processor)
-        return current(
+        return original(
             self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
             assistant_model=assistant_model, **kwargs,
         )  # fmt: skip
 
     _get_candidate_generator._retrace_hook = True
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    return _get_candidate_generator
 
 
 class _TargetWithCandidateGenerator:

@@ -141,7 +141,8 @@ class ReTraceTrajectoryEncoder(nn.Module):
         h~_j = h_j + beta * W_c([h_j ; t_j])          # target-aware correction (mode `corrected` only)
         e'_j = e_j + g * W_v(h~_j)                    # gated residual; W_v = 0 at init, so e' = e
 
-    `beta` is a non-persistent buffer: 1 at inference, warmed up from 0 by the trainer.
+    `beta` is a plain float (not a buffer, so loading never leaves it uninitialised): 1 at inference, warmed up
+    linearly from 0 by the trainer.
     """
 
     def __init__(self, config: ReTraceDrafterConfig):
@@ -150,7 +151,7 @@ class ReTraceTrajectoryEncoder(nn.Module):
         self.correction = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # W_c
         self.value_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)  # W_v
         self.gate = nn.Parameter(torch.full((config.hidden_size,), float(config.retrace_gate_init)))  # g
-        self.register_buffer("beta", torch.ones(()), persistent=False)
+        self.beta = 1.0
 
     def forward(
         self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning, target_context: torch.Tensor | None

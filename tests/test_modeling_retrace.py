@@ -1,0 +1,207 @@
+"""Config validation, the drafter forward, DFlash checkpoint conversion, save/load round trips and bad input."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_drafter, make_target, random_prompt
+from hf_retrace import ReTraceConditioning, ReTraceDrafterConfig, ReTraceDrafterModel, default_target_layer_ids
+
+
+def test_default_target_layer_ids_follow_the_dflash_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 1) == [15]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"retrace_mode": "sometimes"}, "retrace_mode"),
+        ({"block_size": 1}, "block_size"),
+        ({"mask_token_id": 10**7}, "mask_token_id"),
+        ({"target_layer_ids": [1, 40], "num_target_layers": 36}, "target_layer_ids"),
+        ({"retrace_gate_init": 0.0}, "retrace_gate_init"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ReTraceDrafterConfig(**kwargs)
+
+
+def test_from_target_sizes_the_drafter(tiny_target):
+    drafter = ReTraceDrafterModel.from_target(tiny_target, num_hidden_layers=2, block_size=8)
+    cfg = drafter.config
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (32, 128, 4)
+    assert cfg.target_layer_ids == [1, 1] or len(cfg.target_layer_ids) == 2
+    assert cfg.mask_token_id == 127 and cfg.block_size == 8 and cfg.retrace_mode == "corrected"
+    assert torch.count_nonzero(drafter.retrace.value_proj.weight) == 0  # W_v zero-initialised
+    assert torch.count_nonzero(drafter.retrace.gate) == cfg.hidden_size  # gate non-zero
+
+
+def _block_inputs(drafter, ctx_len=5, seed=0):
+    torch.manual_seed(seed)
+    cfg = drafter.config
+    noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
+    context = torch.randn(1, ctx_len, len(cfg.target_layer_ids) * cfg.hidden_size)
+    cond = ReTraceConditioning(
+        hidden_states=torch.randn(1, cfg.block_size, cfg.hidden_size),
+        target_features=torch.randn(1, cfg.block_size, context.shape[-1]),
+        slot_mask=torch.tensor([[False, True, True, False]]),
+    )
+    return noise, context, cond
+
+
+@pytest.mark.parametrize("mode", ["gated", "corrected"])
+def test_zero_value_projection_reproduces_dflash_forward(tiny_target, mode):
+    drafter = make_drafter(tiny_target, mode=mode)
+    with torch.no_grad():
+        drafter.retrace.value_proj.weight.zero_()
+    noise, context, cond = _block_inputs(drafter)
+    plain = drafter(noise, context).last_hidden_state
+    conditioned = drafter(noise, context, rejected_trajectory=cond).last_hidden_state
+    torch.testing.assert_close(conditioned, plain, rtol=0, atol=0)
+
+
+def test_conditioning_touches_only_masked_slots(tiny_drafter):
+    noise, _, cond = _block_inputs(tiny_drafter)
+    target_context = tiny_drafter.project_context(cond.target_features)
+    out = tiny_drafter.retrace(noise, cond, target_context)
+    changed = (out != noise).any(-1)[0].tolist()
+    assert changed == cond.slot_mask[0].tolist()  # anchor slot 0 and unconditioned slots untouched
+
+
+def test_overwrite_mode_replaces_inputs(tiny_target):
+    drafter = make_drafter(tiny_target, mode="overwrite")
+    noise, _, cond = _block_inputs(drafter)
+    out = drafter.retrace(noise, cond, None)
+    torch.testing.assert_close(out[0, 1:3], cond.hidden_states[0, 1:3])
+    torch.testing.assert_close(out[0, [0, 3]], noise[0, [0, 3]])
+
+
+def _write_zlab_folder(folder, drafter, drop=()):
+    """A synthetic checkpoint in the public z-lab DFlash format (backbone keys only, `dflash_config`)."""
+    cfg = drafter.config
+    raw = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": 1000000.0, "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids},
+    }  # fmt: skip
+    for key in drop:
+        raw.pop(key, None)
+        raw["dflash_config"].pop(key, None)
+    (folder / "config.json").write_text(json.dumps(raw))
+    backbone = {k: v for k, v in drafter.state_dict().items() if not k.startswith("retrace.")}
+    save_file(backbone, str(folder / "model.safetensors"))
+
+
+def test_loads_zlab_dflash_checkpoint(tmp_path, tiny_target):
+    source = make_drafter(tiny_target, mode="off", nonzero_retrace=False)
+    _write_zlab_folder(tmp_path, source)
+    loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
+    assert loaded.config.retrace_mode == "corrected"
+    for key, value in source.state_dict().items():
+        if not key.startswith("retrace."):
+            torch.testing.assert_close(loaded.state_dict()[key], value)
+    assert torch.count_nonzero(loaded.retrace.value_proj.weight) == 0  # fresh ReTrace modules == DFlash drafter
+    prompt = random_prompt(6, seed=3)
+    tiny_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=source)
+    expected = source.last_generation_stats.acceptance_lengths
+    tiny_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=loaded.eval())
+    assert loaded.last_generation_stats.acceptance_lengths == expected
+
+
+@pytest.mark.parametrize("missing", ["hidden_size", "target_layer_ids", "mask_token_id"])
+def test_zlab_config_missing_fields_is_a_clear_error(tmp_path, tiny_target, missing):
+    _write_zlab_folder(tmp_path, make_drafter(tiny_target), drop=(missing,))
+    with pytest.raises(ValueError, match=f"missing required fields.*{missing}"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_weights_file_is_a_clear_error(tmp_path, tiny_drafter, damage):
+    tiny_drafter.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00" * 64)
+    with pytest.raises(OSError, match="corrupt or truncated"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)
+
+
+def test_mismatched_drafter_is_a_clear_error(tiny_target):
+    other = make_target("qwen3", vocab_size=96)
+    drafter = make_drafter(other)
+    with pytest.raises(ValueError, match="does not match the target"):
+        tiny_target.generate(random_prompt(4, 0), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_target_layer_ids_beyond_target_depth_is_a_clear_error(tiny_target):
+    deep = make_target("qwen3", num_hidden_layers=8)
+    drafter = ReTraceDrafterModel.from_target(deep, num_hidden_layers=1, block_size=4, target_layer_ids=[6])
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        tiny_target.generate(random_prompt(4, 0), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_batch_size_above_one_is_a_clear_error(tiny_target, tiny_drafter):
+    prompts = torch.cat([random_prompt(4, 0), random_prompt(4, 1)])
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        tiny_target.generate(prompts, max_new_tokens=5, assistant_model=tiny_drafter)
+
+
+_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys, json, torch
+    sys.modules["hf_retrace"] = None  # make `import hf_retrace` fail: only the saved code files may be used
+    try:
+        import hf_retrace
+        raise SystemExit("hf_retrace is importable")
+    except ImportError:
+        pass
+    from transformers import AutoModel, AutoModelForCausalLM
+    folder, target_folder, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    drafter = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_folder).eval()
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=25, assistant_model=drafter)
+    print(json.dumps({"tokens": out[0].tolist(), "cycles": len(drafter.last_generation_stats.acceptance_lengths),
+                      "class": type(drafter).__module__}))
+    """
+)
+
+
+def test_round_trip_with_remote_code_in_a_fresh_process(tmp_path, tiny_target, tiny_drafter):
+    drafter_dir, target_dir = tmp_path / "drafter", tmp_path / "target"
+    tiny_drafter.save_pretrained(drafter_dir)
+    tiny_target.save_pretrained(target_dir)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_retrace.ReTraceDrafterModel"
+    prompt = random_prompt(6, seed=8)[0].tolist()
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, str(drafter_dir), str(target_dir), json.dumps(prompt)],
+        capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    assert remote["class"].startswith("transformers_modules")
+    local = tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=25, assistant_model=tiny_drafter)
+    assert remote["tokens"] == local[0].tolist()
+    assert remote["tokens"] == tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=25)[0].tolist()
+    assert remote["cycles"] == len(tiny_drafter.last_generation_stats.acceptance_lengths)
+
+
+def test_save_and_from_pretrained_round_trip(tmp_path, tiny_drafter):
+    tiny_drafter.save_pretrained(tmp_path)
+    loaded = ReTraceDrafterModel.from_pretrained(tmp_path).eval()
+    for key, value in tiny_drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value)
+    noise, context, cond = _block_inputs(tiny_drafter)
+    torch.testing.assert_close(
+        loaded(noise, context, rejected_trajectory=cond).last_hidden_state,
+        tiny_drafter(noise, context, rejected_trajectory=cond).last_hidden_state,
+    )
