@@ -1,0 +1,105 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""Frozen-target helpers of training: DFlash context features, block input embeddings and greedy drafts.
+
+The features are exactly what inference reads (`outputs.hidden_states[k + 1]` for `k in target_layer_ids`), but the
+target forward stops after the deepest needed layer, so a drafter that reads the middle of the target costs half a
+target forward per step.
+"""
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the deepest needed layer: the rest of the target is not needed."""
+
+
+def _decoder_layers(target: nn.Module) -> nn.ModuleList | None:
+    layers = getattr(target.get_decoder(), "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) else None
+
+
+@torch.no_grad()
+def compute_target_features(
+    target: nn.Module,
+    input_ids: torch.LongTensor,
+    layer_ids: list[int],
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    use_cache: bool = False,
+) -> torch.Tensor:
+    """Concatenated target features `concat_k hidden_states[k + 1]`, `k in layer_ids` (DESIGN §1.3).
+
+    Args:
+        target (`PreTrainedModel`): the frozen target (a `*ForCausalLM`; its base decoder is run, never the lm head).
+        input_ids (`torch.LongTensor` of shape `(batch, T)`).
+        layer_ids (`list[int]`): 0-based target layers, e.g. the drafter's `target_layer_ids`.
+        attention_mask (`torch.Tensor`, *optional*): 2D padding mask `(batch, past + T)` or a custom 4D mask.
+        position_ids (`torch.LongTensor` of shape `(batch, T)`, *optional*).
+        cache (`Cache`, *optional*): a cache holding a prefix (for the faithful verification forward).
+        use_cache (`bool`): fill `cache` (or a new `DynamicCache`, returned in `cache` semantics of transformers).
+    Returns:
+        `torch.Tensor` of shape `(batch, T, len(layer_ids) * hidden)` in the target's dtype.
+    """
+    decoder = target.get_decoder()
+    num_layers = target.config.get_text_config().num_hidden_layers
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    kwargs.update(cache=cache, use_cache=use_cache)
+    layers = _decoder_layers(target)
+    if layers is None or max(layer_ids) >= num_layers - 1:
+        # The last hidden state is post-norm in `hidden_states`; let transformers produce it as inference does.
+        out = decoder(**kwargs, output_hidden_states=[k + 1 for k in layer_ids])
+        return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layer_ids)
+
+    def make_hook(k):
+        def hook(module, args, output):
+            captured[k] = output[0] if isinstance(output, tuple) else output
+            if k == deepest:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[k].register_forward_hook(make_hook(k)) for k in sorted(set(layer_ids))]
+    try:
+        decoder(**kwargs)
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[k] for k in layer_ids], dim=-1)
+
+
+def embed_tokens(target: nn.Module, input_ids: torch.LongTensor) -> torch.Tensor:
+    """Target input embeddings WITHOUT an optional `embed_norm`, as transformers' DFlash generator builds
+    `noise_embeds` (`DFlashTokenCandidateGenerator._get_noise_embeds`)."""
+    embedding = target.get_input_embeddings()
+    embed_norm = getattr(embedding, "embed_norm", None)
+    if embed_norm is None:
+        return embedding(input_ids)
+    try:  # same bypass as the in-tree generator, so training and inference see identical block inputs
+        embedding.embed_norm = nn.Identity()
+        return embedding(input_ids)
+    finally:
+        embedding.embed_norm = embed_norm
+
+
+@torch.no_grad()
+def greedy_draft_ids(hidden_states: torch.Tensor, lm_head: nn.Module, chunk_rows: int = 2048) -> torch.LongTensor:
+    """Argmax tokens of `lm_head(hidden_states)`, computed in row chunks so `(rows, vocab)` logits never all exist.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(..., hidden)`): drafter final states.
+    Returns:
+        `torch.LongTensor` of shape `(...)`.
+    """
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head.weight.dtype)
+    ids = [lm_head(chunk).argmax(dim=-1) for chunk in flat.split(chunk_rows)]
+    return torch.cat(ids).view(hidden_states.shape[:-1])
+
+
+__all__ = ["compute_target_features", "embed_tokens", "greedy_draft_ids"]

@@ -1,0 +1,218 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""`ReTraceTrainer`: trains a DFlash/ReTrace drafter against a frozen target with [`transformers.Trainer`]."""
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.utils import logging
+
+from .generation_retrace import validate_drafter_for_target
+from .losses import loss_decay_weights
+from .modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
+from .trainer_config import ReTraceConfig
+from .training_forward import dflash_training_step, retrace_training_step
+
+
+logger = logging.get_logger(__name__)
+
+# ReTrace parameters each conditioning mode uses (DESIGN §1.2); the others get no gradient and are frozen, so that
+# DDP sees no unused parameter and "every trainable parameter changes" holds.
+_USED_RETRACE_PARAMS = {
+    "off": (),
+    "overwrite": (),
+    "gated": ("value_proj.weight", "gate"),
+    "corrected": ("value_proj.weight", "gate", "correction.weight"),
+}
+DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class ReTraceTrainer(Trainer):
+    """Trains a drafter with the DFlash objective (`training_mode="dflash"`) or the ReTrace two-round objective
+    (DESIGN §3) against a frozen target, whose features are computed inside each step under `no_grad`.
+
+    Args:
+        model ([`ReTraceDrafterModel`]): the drafter (float32 master weights recommended).
+        target (`PreTrainedModel`): the frozen target (embeddings, lm head and context features).
+        args ([`ReTraceConfig`], *optional*).
+        train_dataset (`datasets.Dataset`): rows with `input_ids` and `loss_mask` (1 on response tokens), e.g. from
+            `hf_retrace.data.tokenize_conversations`.
+        data_collator (*optional*): defaults to `hf_retrace.data.DataCollatorForReTrace` (right padding).
+        peft_config (`peft.PeftConfig`, *optional*): LoRA on the backbone; the ReTrace modules train fully
+            (`modules_to_save=["retrace"]` is added when missing).
+
+    Example:
+
+    ```python
+    >>> trainer = ReTraceTrainer(model=drafter, target=target, args=ReTraceConfig("out"), train_dataset=ds)
+    >>> trainer.train()
+    ```
+    """
+
+    _tag_names = ["hf_retrace", "retrace", "dflash"]
+
+    def __init__(self, model, target, args: ReTraceConfig | None = None, train_dataset=None, data_collator=None,
+                 peft_config=None, **kwargs):  # fmt: skip
+        args = args if args is not None else ReTraceConfig("retrace-drafter")
+        _validate_models(model, target, args)
+        _validate_dataset(train_dataset)
+        _configure_drafter(model, args)
+        if peft_config is not None:
+            model = _wrap_peft(model, peft_config)
+        if data_collator is None:
+            from .data import DataCollatorForReTrace  # the data module pulls in `datasets`
+
+            data_collator = DataCollatorForReTrace(pad_token_id=target.config.get_text_config().pad_token_id or 0)
+        super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator, **kwargs)
+        self.model_accepts_loss_kwargs = False  # the loss is a per-batch mean: let Trainer scale by accumulation
+        self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
+        block_size = model.config.block_size
+        self.decay_weights = loss_decay_weights(block_size, args.resolved_loss_decay_gamma(block_size))
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """One DFlash or ReTrace step on a padded batch (`input_ids`, `attention_mask`, `loss_mask`)."""
+        args = self.args
+        length = args.max_length
+        input_ids, loss_mask = inputs["input_ids"][:, :length], inputs["loss_mask"][:, :length]
+        attention_mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))[:, :length]
+        beta = self._set_beta()
+        common = dict(num_anchors=args.num_anchors, decay_weights=self.decay_weights, generator=self._anchor_generator())
+        if args.training_mode == "dflash":
+            out = dflash_training_step(model, self.target, input_ids, attention_mask, loss_mask, **common)
+        else:
+            out = retrace_training_step(
+                model, self.target, input_ids, attention_mask, loss_mask,
+                verification_features=args.verification_features, **common,
+            )  # fmt: skip
+            out.metrics.update(beta=beta, gate_norm=self._gate_norm())
+        for key, value in out.metrics.items():
+            self._metrics[key].append(value)
+        return (out.loss, out) if return_outputs else out.loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the step metrics (means since the last log, averaged over processes) to the Trainer's logs."""
+        if self._metrics:
+            keys = sorted(k for k in self._metrics if k != "loss")
+            local = torch.tensor([sum(self._metrics[k]) / len(self._metrics[k]) for k in keys], device=self.args.device)
+            gathered = self.accelerator.gather(local.unsqueeze(0)).mean(dim=0)
+            logs.update({("train_" + k if k in ("acceptance", "round1_acceptance") else k): float(v)
+                         for k, v in zip(keys, gathered)})  # fmt: skip
+            self._metrics.clear()
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Checkpoints save the drafter folder (or the adapter with PEFT); the final `save_model` of a PEFT run with
+        `merge_adapter=True` writes the merged drafter, loadable by `ReTraceDrafterModel.from_pretrained`."""
+        if _internal_call or not self.args.merge_adapter or not hasattr(self.model, "merge_and_unload"):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.accelerator.is_main_process:
+            merged = _merged_copy(self.accelerator.unwrap_model(self.model))
+            merged.save_pretrained(output_dir)
+        self.accelerator.wait_for_everyone()
+
+    def _set_beta(self) -> float:
+        """Linear warm-up of the correction coefficient (paper App. D): 0 at step 0, 1 after `beta_warmup_steps`."""
+        warmup = self.args.beta_warmup_steps
+        if warmup is None:
+            warmup = int(0.1 * self.state.max_steps)
+        beta = 1.0 if warmup == 0 else min(1.0, self.state.global_step / warmup)
+        for module in self.model.modules():
+            if isinstance(module, ReTraceTrajectoryEncoder):
+                module.beta.fill_(beta)
+        return beta
+
+    def _gate_norm(self) -> float:
+        encoders = [m for m in self.model.modules() if isinstance(m, ReTraceTrajectoryEncoder)]
+        trained = [m for m in encoders if m.gate.requires_grad] or encoders
+        return float(trained[-1].gate.detach().float().norm())
+
+    def _anchor_generator(self) -> torch.Generator:
+        """A generator seeded by (seed, step, micro-batch, rank): anchors never depend on global RNG state, so a run
+        resumed from a checkpoint samples exactly what an uninterrupted one would, and ranks sample differently."""
+        step, micro = self._micro_step
+        micro = micro + 1 if step == self.state.global_step else 0
+        self._micro_step = (self.state.global_step, micro)
+        seed = ((self.args.seed * 1_000_003 + self.state.global_step) * 1_009 + micro) * 257 + self.args.process_index
+        return torch.Generator().manual_seed(seed % (2**63))
+
+
+def _validate_models(drafter, target, args: ReTraceConfig) -> None:
+    """Raises `ValueError` with the fix when drafter, target and arguments do not fit together (before any compute)."""
+    if not isinstance(drafter, ReTraceDrafterModel):
+        raise ValueError(f"model must be a ReTraceDrafterModel, got {type(drafter).__name__}")
+    validate_drafter_for_target(target, drafter, batch_size=1)
+    if args.block_size is not None and args.block_size != drafter.config.block_size:
+        raise ValueError(
+            f"block_size={args.block_size} but the drafter was built with block_size={drafter.config.block_size}; "
+            "drop `block_size` to use the drafter's, or start from a drafter with that block size."
+        )
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if drafter.config.mask_token_id >= vocab:
+        raise ValueError(f"mask_token_id={drafter.config.mask_token_id} has no row in the target's embeddings ({vocab}).")
+
+
+def _validate_dataset(dataset) -> None:
+    """The dataset must be tokenized and hold at least one anchor (two consecutive response tokens)."""
+    if dataset is None:
+        raise ValueError("ReTraceTrainer needs a train_dataset with `input_ids` and `loss_mask`.")
+    columns = getattr(dataset, "column_names", None) or list(dataset[0].keys())
+    missing = [c for c in ("input_ids", "loss_mask") if c not in columns]
+    if missing:
+        raise ValueError(
+            f"train_dataset lacks {missing}; tokenize it first with `hf_retrace.data.tokenize_conversations`."
+        )
+    for mask in dataset["loss_mask"] if hasattr(dataset, "column_names") else (row["loss_mask"] for row in dataset):
+        if any(a and b for a, b in zip(mask[:-1], mask[1:])):
+            return
+    raise ValueError(
+        "train_dataset has no response tokens to train on: no row has two consecutive loss_mask=1 positions "
+        "(an anchor and its supervised next token). Check the chat template / response masking."
+    )
+
+
+def _configure_drafter(drafter: ReTraceDrafterModel, args: ReTraceConfig) -> None:
+    """Applies `retrace_mode` and freezes what `training_mode` and the mode do not train."""
+    if args.retrace_mode is not None and args.retrace_mode != drafter.config.retrace_mode:
+        logger.info(f"Switching the drafter's retrace_mode {drafter.config.retrace_mode!r} -> {args.retrace_mode!r}")
+        drafter.config.retrace_mode = args.retrace_mode
+        drafter.retrace.mode = args.retrace_mode
+    used = _USED_RETRACE_PARAMS[drafter.config.retrace_mode] if args.training_mode != "dflash" else ()
+    for name, param in drafter.named_parameters():
+        if name.startswith("retrace."):
+            param.requires_grad_(name.removeprefix("retrace.") in used)
+        elif args.training_mode == "retrace_modules_only":
+            param.requires_grad_(False)
+    if not any(p.requires_grad for p in drafter.parameters()):
+        raise ValueError(
+            f"Nothing to train: training_mode={args.training_mode!r} with retrace_mode={drafter.config.retrace_mode!r} "
+            "leaves no trainable parameter."
+        )
+
+
+def _wrap_peft(drafter: ReTraceDrafterModel, peft_config):
+    """LoRA on the backbone; the ReTrace modules (`retrace.*`) stay fully trainable through `modules_to_save`."""
+    from peft import get_peft_model
+
+    if not peft_config.target_modules:
+        peft_config.target_modules = list(DEFAULT_LORA_TARGET_MODULES)
+    peft_config.modules_to_save = sorted(set(peft_config.modules_to_save or []) | {"retrace"})
+    frozen_retrace = [n for n, p in drafter.retrace.named_parameters() if not p.requires_grad]
+    model = get_peft_model(drafter, peft_config)
+    for name, param in model.named_parameters():  # keep the mode's unused ReTrace params frozen
+        if ".retrace.modules_to_save." in name and name.rsplit("default.", 1)[-1] in frozen_retrace:
+            param.requires_grad_(False)
+    return model
+
+
+def _merged_copy(peft_model: nn.Module) -> ReTraceDrafterModel:
+    """A merged copy of a PEFT drafter (the live model keeps training its adapter)."""
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+__all__ = ["DEFAULT_LORA_TARGET_MODULES", "ReTraceTrainer"]

@@ -1,0 +1,146 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""`ReTraceConfig`: the training arguments of [`ReTraceTrainer`] (DFlash and ReTrace drafter training)."""
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .configuration_retrace import RETRACE_MODES
+from .losses import default_loss_decay_gamma
+
+
+TRAINING_MODES = ("dflash", "retrace", "retrace_modules_only")
+VERIFICATION_FEATURES = ("faithful", "teacher_forced")
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ReTraceConfig(TrainingArguments):
+    r"""
+    Configuration class for [`ReTraceTrainer`].
+
+    Only the parameters specific to drafter training are listed here; see [`~transformers.TrainingArguments`] for
+    the rest. Using [`~transformers.HfArgumentParser`] (or TRL's `TrlParser` with `--config recipe.yaml`) this class
+    becomes command-line arguments.
+
+    Parameters:
+        > Parameters that control the model
+
+        target_name_or_path (`str`, *optional*, defaults to `"default"`):
+            Frozen target: `"default"` (SmolLM2-135M-Instruct, offline), `"tiny-random-qwen3"` (seeded tiny Qwen3 for
+            tests), or a path/Hub id for `AutoModelForCausalLM`.
+        target_dtype (`str`, *optional*, defaults to `"bfloat16"`): dtype of the target.
+        drafter_name_or_path (`str`, *optional*): drafter to start from (ReTrace folder or z-lab DFlash checkpoint).
+            Unset: a fresh drafter sized from the target (`drafter_num_layers`, ...).
+        drafter_num_layers (`int`, *optional*, defaults to `1`): layers of a fresh drafter.
+        drafter_target_layer_ids (`list[int]`, *optional*): target layers of a fresh drafter (DFlash rule if unset).
+        drafter_mask_token_id (`int`, *optional*): mask token of a fresh drafter (last vocabulary id if unset).
+        retrace_mode (`str`, *optional*): `off`, `overwrite`, `gated` or `corrected`; unset keeps the drafter's.
+
+        > Parameters that control the data
+
+        max_length (`int`, *optional*, defaults to `2048`): longest training sequence (prompt + response), tokens.
+        num_anchors (`int`, *optional*, defaults to `512`): blocks sampled per sequence per step.
+
+        > Parameters that control the training
+
+        training_mode (`str`, *optional*, defaults to `"retrace"`): `dflash` (plain DFlash objective, ReTrace
+            modules frozen), `retrace` (two-round simulation, everything trains) or `retrace_modules_only`
+            (two-round simulation, backbone frozen).
+        block_size (`int`, *optional*): block size `B`; unset uses the drafter's. Must match a loaded drafter.
+        loss_decay_gamma (`float`, *optional*): slot-weight decay `exp(-(k-1)/gamma)`. Unset: `(B-2)/2`, i.e. 7 for
+            `B = 16` (DFlash's value), 3 for `B = 8`; the last slot then always weighs `exp(-2)` of slot 1.
+        beta_warmup_steps (`int`, *optional*): steps over which the correction coefficient `beta` rises linearly
+            from 0 to 1. Unset: 10% of the training steps. `0`: `beta = 1` from the start.
+        verification_features (`str`, *optional*, defaults to `"faithful"`): correction features of the simulated
+            round. `faithful`: target features of the drafted block on the true prefix (what inference sees; one
+            extra no-grad target forward over the rejected tails). `teacher_forced`: clean features of the true
+            continuation (free, but a different signal).
+        merge_adapter (`bool`, *optional*, defaults to `True`): with PEFT, the final `save_model` writes the merged
+            drafter (loadable by `ReTraceDrafterModel.from_pretrained`) instead of the adapter.
+
+    Note: overridden [`~transformers.TrainingArguments`] defaults: `learning_rate=6e-4`, `logging_steps=10`,
+    `remove_unused_columns=False` (the collator needs `loss_mask`, which the drafter's forward does not take),
+    `warmup_steps=0.04` (a ratio), `lr_scheduler_type="cosine"`.
+    """
+
+    # Parameters that control the model
+    target_name_or_path: str = field(
+        default="default",
+        metadata={"help": "Frozen target: 'default' (SmolLM2-135M-Instruct), 'tiny-random-qwen3', or a path/Hub id."},
+    )
+    target_dtype: str = field(default="bfloat16", metadata={"help": f"Target dtype, one of {TARGET_DTYPES}."})
+    drafter_name_or_path: str | None = field(
+        default=None, metadata={"help": "Drafter to start from (ReTrace folder or DFlash checkpoint); unset = fresh."}
+    )
+    drafter_num_layers: int = field(default=1, metadata={"help": "Decoder layers of a fresh drafter."})
+    drafter_target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers read by a fresh drafter (DFlash rule if unset)."}
+    )
+    drafter_mask_token_id: int | None = field(
+        default=None, metadata={"help": "Mask token of a fresh drafter (last vocabulary id if unset)."}
+    )
+    retrace_mode: str | None = field(
+        default=None, metadata={"help": f"Conditioning mode, one of {RETRACE_MODES}; unset keeps the drafter's."}
+    )
+    # Parameters that control the data
+    max_length: int = field(default=2048, metadata={"help": "Longest training sequence in tokens."})
+    num_anchors: int = field(default=512, metadata={"help": "Blocks sampled per sequence per step."})
+    # Parameters that control the training
+    training_mode: str = field(default="retrace", metadata={"help": f"One of {TRAINING_MODES}."})
+    block_size: int | None = field(default=None, metadata={"help": "Block size B; unset uses the drafter's."})
+    loss_decay_gamma: float | None = field(
+        default=None, metadata={"help": "Slot weight exp(-(k-1)/gamma); unset = (B-2)/2 (7 for B=16)."}
+    )
+    beta_warmup_steps: int | None = field(
+        default=None, metadata={"help": "Linear warmup of the correction beta 0->1; unset = 10% of training steps."}
+    )
+    verification_features: str = field(
+        default="faithful", metadata={"help": f"Correction features of the simulated round, one of {VERIFICATION_FEATURES}."}
+    )
+    merge_adapter: bool = field(
+        default=True, metadata={"help": "With PEFT, save_model writes the merged drafter instead of the adapter."}
+    )
+    # Overridden TrainingArguments defaults
+    learning_rate: float = field(default=6e-4, metadata={"help": "Initial AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X update steps (ratio if < 1)."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep dataset columns (loss_mask is needed by the trainer)."}
+    )
+    warmup_steps: float = field(
+        default=0.04, metadata={"help": "Linear learning-rate warmup: steps, or a ratio of all steps if in [0, 1)."}
+    )
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+
+    def __post_init__(self):
+        self._check_choices()
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
+        if self.beta_warmup_steps is not None and self.beta_warmup_steps < 0:
+            raise ValueError(f"beta_warmup_steps must be >= 0, got {self.beta_warmup_steps}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        super().__post_init__()
+
+    def _check_choices(self):
+        choices = {
+            "training_mode": (self.training_mode, TRAINING_MODES),
+            "verification_features": (self.verification_features, VERIFICATION_FEATURES),
+            "target_dtype": (self.target_dtype, TARGET_DTYPES),
+        }
+        if self.retrace_mode is not None:
+            choices["retrace_mode"] = (self.retrace_mode, RETRACE_MODES)
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+    def resolved_loss_decay_gamma(self, block_size: int) -> float:
+        """`loss_decay_gamma`, or the block-size rule of [`default_loss_decay_gamma`] when unset."""
+        return self.loss_decay_gamma if self.loss_decay_gamma is not None else default_loss_decay_gamma(block_size)
+
+
+__all__ = ["ReTraceConfig", "TRAINING_MODES", "VERIFICATION_FEATURES"]

@@ -1,0 +1,367 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""Block-parallel DFlash training forward and the two-round ReTrace simulation (DESIGN §3).
+
+Notation (DESIGN §1.1): a block anchored at absolute position `p` has slots `k = 0 .. B-1` at positions `p + k`; slot
+0 holds the anchor token `x_p`, slots `1..B-1` the mask token, and slot `k` predicts `x_{p+k}`. Context = target
+features of positions `< p`. `N` blocks per sequence run in ONE drafter forward under [`build_block_mask`].
+
+ReTrace step, per round-1 block at `p` (all blocks batched):
+
+1. round 1 (no grad): drafts `d_1..d_{B-1}`, final states `h_0..h_{B-1}`;
+2. `n` = leading drafts equal to the labels (greedy acceptance);
+3. verification features `v_i` of block position `i` (input `[a, d_1..d_{B-1}][i]` at `p + i`);
+4. round 2 (with grad) at `p' = p + n + 1`: next slot `s = 1..L` (`L = B-2-n`) gets `h_{n+1+s}` and `v_{n+s}`,
+   exactly as [`build_rejected_trajectory`] aligns them at inference; DFlash loss on round 2.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .losses import IGNORE_INDEX, block_cross_entropy, count_accepted
+from .masks import build_block_mask, build_verification_mask, to_additive_mask
+from .modeling_retrace import ReTraceConditioning
+from .target_features import compute_target_features, embed_tokens, greedy_draft_ids
+
+
+VERIFICATION_FEATURES = ("faithful", "teacher_forced")
+
+
+def sample_anchor_positions(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Samples up to `num_anchors` distinct anchors per sequence among positions `p` with `loss_mask[p]` and
+    `loss_mask[p + 1]` (the anchor is a response token and the next token is supervised), sorted ascending.
+
+    Args:
+        loss_mask (`torch.Tensor` of shape `(batch, T)`): 1 on response (supervised) tokens.
+        generator (`torch.Generator`, *optional*): CPU generator; the sample is a pure function of its state.
+    Returns:
+        `(anchor_positions, block_valid)`, both `(batch, N)` with `N = min(num_anchors, max candidates)` (>= 1);
+        padding entries have anchor 0 and `block_valid` False.
+    """
+    supervised = loss_mask.bool()
+    candidates = (supervised[:, :-1] & supervised[:, 1:]).cpu()  # [b, T-1]: position p is a candidate
+    num = int(min(num_anchors, max(int(candidates.sum(dim=1).max()), 1)))
+    scores = torch.rand(candidates.shape, generator=generator)  # [b, T-1]
+    scores = torch.where(candidates, scores, torch.full_like(scores, 2.0))  # non-candidates sort last
+    picked = scores.argsort(dim=1)[:, :num]  # [b, N]
+    valid = torch.gather(candidates, 1, picked)
+    anchors = torch.where(valid, picked, torch.zeros_like(picked))
+    anchors, order = torch.sort(anchors + (~valid) * candidates.shape[1], dim=1)  # valid first, ascending
+    valid = torch.gather(valid, 1, order)
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def block_labels(
+    input_ids: torch.LongTensor, loss_mask: torch.Tensor, anchor_positions: torch.LongTensor,
+    block_valid: torch.BoolTensor, block_size: int,
+) -> torch.LongTensor:  # fmt: skip
+    """Labels `[b, N, B]`: slot `k` of the block at `p` is labelled `x_{p+k}`; `-100` for slot 0, positions past the
+    sequence, unsupervised positions (`loss_mask` 0) and invalid blocks."""
+    seq_len = input_ids.shape[1]
+    slots = torch.arange(block_size, device=input_ids.device)
+    positions = anchor_positions.unsqueeze(-1) + slots  # [b, N, B]
+    safe = positions.clamp(max=seq_len - 1).flatten(1)  # [b, N*B]
+    tokens = torch.gather(input_ids, 1, safe).view(positions.shape)
+    supervised = torch.gather(loss_mask.bool(), 1, safe).view(positions.shape)
+    keep = supervised & (positions < seq_len) & (slots > 0) & block_valid.unsqueeze(-1)
+    return torch.where(keep, tokens, torch.full_like(tokens, IGNORE_INDEX))
+
+
+def block_noise_ids(
+    input_ids: torch.LongTensor, anchor_positions: torch.LongTensor, mask_token_id: int, block_size: int
+) -> torch.LongTensor:
+    """Block inputs `[b, N*B]`: `[x_p, M, .., M]` per block (the anchor token then `B-1` mask tokens)."""
+    anchors = torch.gather(input_ids, 1, anchor_positions.clamp(max=input_ids.shape[1] - 1))  # [b, N]
+    ids = torch.full((*anchor_positions.shape, block_size), mask_token_id, device=input_ids.device)
+    ids[..., 0] = anchors
+    return ids.flatten(1)
+
+
+def draft_blocks(
+    drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, context_features: torch.Tensor,
+    anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor, context_mask: torch.Tensor | None,
+    conditioning: ReTraceConditioning | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One drafter forward for all `N` blocks of each sequence.
+
+    Args:
+        drafter (`nn.Module`): the (possibly DDP/PEFT-wrapped) drafter; its config gives `block_size`, `mask_token_id`.
+        context_features (`torch.Tensor` of shape `(batch, T, K * hidden)`): target features of all positions; the
+            block mask shows each block only the ones before its anchor.
+        conditioning ([`ReTraceConditioning`] with `N*B` slots, *optional*): round-2 retained suffixes.
+    Returns:
+        `torch.Tensor` of shape `(batch, N, B, hidden)`: post-norm drafter states.
+    """
+    config = _unwrap(drafter).config
+    batch, seq_len = input_ids.shape
+    block_size = config.block_size
+    noise_embeds = embed_tokens(target, block_noise_ids(input_ids, anchor_positions, config.mask_token_id, block_size))
+    mask = build_block_mask(anchor_positions, block_valid, seq_len, block_size, context_mask)
+    slots = torch.arange(block_size, device=input_ids.device)
+    block_positions = (anchor_positions.unsqueeze(-1) + slots).flatten(1)  # [b, N*B]: p + k
+    context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+    out = drafter(
+        noise_embeds=noise_embeds,
+        context_hidden_states=context_features,
+        attention_mask=mask,
+        position_ids=torch.cat([context_positions, block_positions], dim=1),
+        rejected_trajectory=conditioning,
+    )
+    return out.last_hidden_state.view(batch, -1, block_size, out.last_hidden_state.shape[-1])
+
+
+def align_rejected_trajectory(
+    draft_hidden_states: torch.Tensor, verification_features: torch.Tensor, num_accepted: torch.LongTensor,
+    block_valid: torch.BoolTensor,
+) -> ReTraceConditioning:  # fmt: skip
+    """Batched [`build_rejected_trajectory`]: round-1 block -> round-2 conditioning, block by block.
+
+    Args:
+        draft_hidden_states (`torch.Tensor` of shape `(batch, N, B, hidden)`): round-1 states `h_j`.
+        verification_features (`torch.Tensor` of shape `(batch, N, B, F)`): `v_i` of round-1 block position `i`.
+        num_accepted (`torch.LongTensor` of shape `(batch, N)`): `n`.
+        block_valid (`torch.BoolTensor` of shape `(batch, N)`).
+    Returns:
+        [`ReTraceConditioning`] with `N*B` slots: next slot `s in 1..L` holds `h_{s+n+1}` and `v_{s+n}` (retained slot
+        `j = s+n+1` and its verification position `j-1`); other slots are zero and unmasked. Worked example: `B = 8`,
+        `n = 2` -> `L = 4`, slots 1..4 take `h_4..h_7` and `v_3..v_6`.
+    """
+    batch, num_blocks, block_size, _ = draft_hidden_states.shape
+    slots = torch.arange(block_size, device=num_accepted.device)
+    source = slots + num_accepted.unsqueeze(-1) + 1  # [b, N, B]: j = s + n + 1
+    slot_mask = (slots >= 1) & (source <= block_size - 1) & block_valid.unsqueeze(-1)  # 1 <= s <= L
+    hidden = _gather_slots(draft_hidden_states, source.clamp(max=block_size - 1), slot_mask)
+    features = _gather_slots(verification_features, (source - 1).clamp(max=block_size - 1), slot_mask)
+    return ReTraceConditioning(
+        hidden_states=hidden.flatten(1, 2), target_features=features.flatten(1, 2), slot_mask=slot_mask.flatten(1)
+    )
+
+
+def _gather_slots(values: torch.Tensor, index: torch.LongTensor, keep: torch.BoolTensor) -> torch.Tensor:
+    """`values[b, i, index[b, i, s]]` where `keep`, zero elsewhere; `values` `[b, N, B, D]`, `index` `[b, N, B]`."""
+    out = torch.gather(values, 2, index.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+    return out * keep.unsqueeze(-1).to(out.dtype)
+
+
+def teacher_forced_verification_features(
+    context_features: torch.Tensor, anchor_positions: torch.LongTensor, block_size: int
+) -> torch.Tensor:
+    """`v_i` = clean target features at `p + i` (the true continuation instead of the drafts): `[b, N, B, F]`."""
+    seq_len = context_features.shape[1]
+    slots = torch.arange(block_size, device=anchor_positions.device)
+    positions = (anchor_positions.unsqueeze(-1) + slots).clamp(max=seq_len - 1).flatten(1)  # [b, N*B]
+    feats = torch.gather(context_features, 1, positions.unsqueeze(-1).expand(-1, -1, context_features.shape[-1]))
+    return feats.view(*anchor_positions.shape, block_size, -1)
+
+
+def faithful_verification_features(
+    target: nn.Module, layer_ids: list[int], prefix_cache, block_ids: torch.LongTensor,
+    anchor_positions: torch.LongTensor, num_accepted: torch.LongTensor, context_mask: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """`v_i` as inference computes them: target features of the drafted block `[a, d_1..d_{B-1}]` on the true prefix.
+
+    Only the rejected tail is run: for `i <= n` the block inputs equal the true tokens, whose keys/values are already
+    in `prefix_cache` (the clean forward). Row `r = 0..B-3` of a block is block position `i = n+1+r` (input `d_i` at
+    `p + i = p' + r`); it sees the prefix `< p'` and rows `<= r` of its own tail, as the verification pass does.
+
+    Args:
+        prefix_cache (`Cache`): target cache of the clean forward over the whole sequence (length `T`).
+        block_ids (`torch.LongTensor` of shape `(batch, N, B)`): `[x_p, d_1 .. d_{B-1}]` per block.
+        anchor_positions, num_accepted (`torch.LongTensor` of shape `(batch, N)`): `p` and `n`.
+        context_mask (`torch.Tensor` of shape `(batch, T)`, *optional*): padding mask of the prefix.
+    Returns:
+        `torch.Tensor` of shape `(batch, N, B, F)`; filled at `i = n+1 .. B-2`, zero elsewhere (never read).
+    """
+    batch, num_blocks, block_size = block_ids.shape
+    rows = block_size - 2  # longest tail: n = 0 retains B-2 slots
+    index = num_accepted.unsqueeze(-1) + 1 + torch.arange(rows, device=block_ids.device)  # [b, N, R]: i
+    real = index <= block_size - 2
+    tokens = torch.gather(block_ids, 2, index.clamp(max=block_size - 1)).flatten(1)  # [b, N*R]
+    positions = (anchor_positions.unsqueeze(-1) + index).flatten(1)  # [b, N*R]: p + i
+    seq_len = prefix_cache.get_seq_length()
+    mask = build_verification_mask(positions, seq_len, rows, context_mask)
+    dtype = target.get_input_embeddings().weight.dtype
+    feats = compute_target_features(
+        target, tokens, layer_ids, attention_mask=to_additive_mask(mask, dtype), position_ids=positions,
+        cache=prefix_cache, use_cache=True,
+    )  # fmt: skip
+    out = feats.new_zeros(batch, num_blocks, block_size, feats.shape[-1])
+    feats = feats.view(batch, num_blocks, rows, -1) * real.unsqueeze(-1)
+    return out.scatter(2, index.clamp(max=block_size - 1).unsqueeze(-1).expand_as(feats), feats)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The drafter inside DDP (`.module`) and PEFT (`.get_base_model()`) wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class TrainingStepOutput:
+    """Loss of one step and its scalar metrics (plain floats, means over the step's valid blocks)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def dflash_training_step(
+    drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor, *, num_anchors: int, decay_weights: torch.Tensor, generator: torch.Generator | None = None,
+) -> TrainingStepOutput:  # fmt: skip
+    """The DFlash objective: one drafter forward over `N` sampled blocks per sequence, decayed block CE.
+
+    Args:
+        input_ids, attention_mask, loss_mask (`torch.Tensor` of shape `(batch, T)`): right-padded batch.
+        decay_weights (`torch.Tensor` of shape `(B,)`): [`loss_decay_weights`].
+    """
+    config = _unwrap(drafter).config
+    features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask)
+    anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
+    labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size)
+    hidden = draft_blocks(drafter, target, input_ids, features, anchors, valid, attention_mask)
+    loss, drafts = _block_loss(hidden, labels, target.get_output_embeddings(), decay_weights)
+    accepted = count_accepted(drafts[..., 1:], labels[..., 1:])
+    metrics = {"loss": loss.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
+    return TrainingStepOutput(loss=loss, metrics=metrics)
+
+
+@dataclass
+class SimulatedRounds:
+    """The two simulated rounds of a ReTrace step, all `[b, N, ...]` per round-1 block.
+
+    Attributes:
+        first_hidden_states (`torch.Tensor` of shape `(b, N, B, hidden)`): round-1 states (no grad).
+        num_accepted (`torch.LongTensor` of shape `(b, N)`): `n` of round 1 (0 for invalid blocks).
+        anchor_positions (`torch.LongTensor` of shape `(b, N)`): round-2 anchors `p' = p + n + 1`.
+        block_valid (`torch.BoolTensor` of shape `(b, N)`): round-2 blocks that exist (`p'` is a real token).
+        labels (`torch.LongTensor` of shape `(b, N, B)`): round-2 labels.
+        conditioning ([`ReTraceConditioning`] with `N*B` slots): what round 2 was conditioned on.
+        hidden_states (`torch.Tensor` of shape `(b, N, B, hidden)`): round-2 states (with grad).
+    """
+
+    first_hidden_states: torch.Tensor
+    num_accepted: torch.LongTensor
+    anchor_positions: torch.LongTensor
+    block_valid: torch.BoolTensor
+    labels: torch.LongTensor
+    conditioning: ReTraceConditioning
+    hidden_states: torch.Tensor
+
+    @property
+    def num_retained(self) -> torch.LongTensor:
+        """`L = B - 2 - n` per round-2 block, 0 when negative or the block is invalid."""
+        block_size = self.labels.shape[-1]
+        return (block_size - 2 - self.num_accepted).clamp_min(0) * self.block_valid
+
+
+def simulate_retrace_rounds(
+    drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor, anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor,
+    verification_features: str = "faithful",
+) -> SimulatedRounds:  # fmt: skip
+    """Round 1 (no grad) at the given anchors, then round 2 (with grad) conditioned on round 1's rejected suffix.
+
+    One clean target forward serves both rounds (context features of positions `< p'` are the same for the true
+    prefix) and, with `"faithful"`, its cache is the prefix of the extra forward over the drafted tails.
+    """
+    config = _unwrap(drafter).config
+    block_size, layer_ids = config.block_size, config.target_layer_ids
+    faithful = verification_features == "faithful"
+    cache = DynamicCache(config=target.config) if faithful else None
+    features = compute_target_features(target, input_ids, layer_ids, attention_mask, cache=cache, use_cache=faithful)
+    labels = block_labels(input_ids, loss_mask, anchor_positions, block_valid, block_size)
+    with torch.no_grad():  # round 1: "training detaches cached representations across rounds" (paper Sec. 3)
+        first = draft_blocks(drafter, target, input_ids, features, anchor_positions, block_valid, attention_mask)
+        drafts = greedy_draft_ids(first[:, :, 1:], target.get_output_embeddings())  # [b, N, B-1]: d_1..d_{B-1}
+    accepted = count_accepted(drafts, labels[..., 1:]) * block_valid  # n
+    next_anchors = anchor_positions + accepted + 1  # p' = p + n + 1: the target's correction anchors round 2
+    next_valid = block_valid & _is_real_position(next_anchors, attention_mask)
+    if faithful:
+        anchor_ids = torch.gather(input_ids, 1, anchor_positions).unsqueeze(-1)
+        block_ids = torch.cat([anchor_ids, drafts], dim=-1)  # [b, N, B]: [a, d_1 .. d_{B-1}]
+        verification = faithful_verification_features(
+            target, layer_ids, cache, block_ids, anchor_positions, accepted, attention_mask
+        )
+    else:
+        verification = teacher_forced_verification_features(features, anchor_positions, block_size)
+    conditioning = align_rejected_trajectory(first, verification, accepted, next_valid)
+    next_labels = block_labels(input_ids, loss_mask, next_anchors, next_valid, block_size)
+    hidden = draft_blocks(drafter, target, input_ids, features, next_anchors, next_valid, attention_mask, conditioning)
+    return SimulatedRounds(first, accepted, next_anchors, next_valid, next_labels, conditioning, hidden)
+
+
+def retrace_training_step(
+    drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor, *, num_anchors: int, decay_weights: torch.Tensor, verification_features: str = "faithful",
+    generator: torch.Generator | None = None,
+) -> TrainingStepOutput:  # fmt: skip
+    """The ReTrace objective: [`simulate_retrace_rounds`] at sampled anchors, DFlash loss on round 2 (module
+    docstring, DESIGN §3). Round-2 blocks with `L <= 0` train as plain DFlash blocks at `p'`.
+
+    Args:
+        verification_features (`str`): `"faithful"` (target features of the drafted block, one extra target forward
+            over the rejected tails) or `"teacher_forced"` (clean features of the true continuation, free).
+    """
+    anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
+    rounds = simulate_retrace_rounds(
+        drafter, target, input_ids, attention_mask, loss_mask, anchors, valid, verification_features
+    )
+    loss, drafts = _block_loss(rounds.hidden_states, rounds.labels, target.get_output_embeddings(), decay_weights)
+    retained = rounds.num_retained
+    metrics = {
+        "loss": loss.item(),
+        "acceptance": _masked_mean(count_accepted(drafts[..., 1:], rounds.labels[..., 1:]), rounds.block_valid),
+        "round1_acceptance": _masked_mean(rounds.num_accepted, valid),
+        "conditioned_share": _masked_mean(retained > 0, rounds.block_valid),
+        "mean_retained": _masked_mean(retained, retained > 0),
+        "blocks": float(rounds.block_valid.sum()),
+    }
+    return TrainingStepOutput(loss=loss, metrics=metrics)
+
+
+def _block_loss(hidden_states, labels, lm_head, decay_weights):
+    """Decayed block CE over supervised slots only (the lm head never sees unsupervised rows); also returns the
+    argmax drafts `[b, N, B]` (`-1` on unsupervised slots) for the acceptance metric."""
+    supervised = labels != IGNORE_INDEX
+    logits = lm_head(hidden_states[supervised].to(lm_head.weight.dtype))  # [M, V]
+    weights = decay_weights.to(labels.device).expand(labels.shape)[supervised]
+    loss = block_cross_entropy(logits, labels[supervised], weights)
+    drafts = torch.full_like(labels, -1)
+    drafts[supervised] = logits.detach().argmax(dim=-1)
+    return loss, drafts
+
+
+def _is_real_position(positions: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.BoolTensor:
+    """Whether each `[b, N]` position holds a real (non-padding) token of its sequence."""
+    seq_len = attention_mask.shape[1]
+    inside = positions < seq_len
+    real = torch.gather(attention_mask.bool(), 1, positions.clamp(max=seq_len - 1))
+    return inside & real
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.bool()
+    return float(values[mask].float().mean()) if mask.any() else 0.0
+
+
+__all__ = [
+    "VERIFICATION_FEATURES",
+    "TrainingStepOutput",
+    "align_rejected_trajectory",
+    "dflash_training_step",
+    "retrace_training_step",
+    "SimulatedRounds",
+    "simulate_retrace_rounds",
+    "block_labels",
+    "block_noise_ids",
+    "draft_blocks",
+    "faithful_verification_features",
+    "sample_anchor_positions",
+    "teacher_forced_verification_features",
+]

@@ -1,0 +1,92 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""Model set-up for training: the frozen target, the drafter to train, and a tiny synthetic data set for tests."""
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from .modeling_retrace import ReTraceDrafterModel
+from .trainer_config import ReTraceConfig
+
+
+TINY_TARGET_NAME = "tiny-random-qwen3"
+TINY_TARGET_CONFIG = dict(
+    vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None,
+)  # fmt: skip
+
+
+def build_tiny_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    """A seeded random tiny Qwen3 (vocab 128, hidden 32, 4 layers): the target of tests and the tiny recipe."""
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**{**TINY_TARGET_CONFIG, **overrides})).eval()
+
+
+def load_target(name_or_path: str, dtype: str = "bfloat16"):
+    """Loads the frozen target and its tokenizer.
+
+    Args:
+        name_or_path (`str`): `"default"` ([`hf_retrace.assets.load_default_target`], offline SmolLM2-135M-Instruct),
+            `"tiny-random-qwen3"` ([`build_tiny_target`], no tokenizer), or a path/Hub id.
+        dtype (`str`): `"auto"`, `"float32"`, `"bfloat16"` or `"float16"`.
+    Returns:
+        `(target, tokenizer)`; the target in eval mode with `requires_grad=False`; tokenizer `None` for the tiny target.
+    """
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if name_or_path == "default":
+        from .assets import load_default_target  # needs the optional `assets` extra
+
+        target, tokenizer = load_default_target(dtype=torch.bfloat16 if torch_dtype == "auto" else torch_dtype)
+    elif name_or_path == TINY_TARGET_NAME:
+        target, tokenizer = build_tiny_target(), None
+        if torch_dtype != "auto":
+            target = target.to(torch_dtype)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return target.eval().requires_grad_(False), tokenizer
+
+
+def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = None) -> ReTraceDrafterModel:
+    """The drafter to train, in float32 (optimizer master weights; use `bf16=True` for mixed precision).
+
+    `args.drafter_name_or_path` (or `model_name_or_path`) loads a ReTrace folder or a z-lab DFlash checkpoint (ReTrace
+    modules then start with `W_v = 0`); otherwise a fresh drafter is sized from `target` with `drafter_num_layers`,
+    `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset).
+    """
+    path = args.drafter_name_or_path or model_name_or_path
+    if path is not None:
+        drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32)
+    else:
+        overrides = dict(num_hidden_layers=args.drafter_num_layers, block_size=args.block_size or 16)
+        if args.drafter_target_layer_ids is not None:
+            overrides["target_layer_ids"] = list(args.drafter_target_layer_ids)
+        if args.drafter_mask_token_id is not None:
+            overrides["mask_token_id"] = args.drafter_mask_token_id
+        torch.manual_seed(args.seed)
+        drafter = ReTraceDrafterModel.from_target(target, **overrides)
+    return drafter.to(torch.float32)
+
+
+@torch.no_grad()
+def synthetic_dataset(
+    target, num_examples: int = 64, prompt_length: int = 8, response_length: int = 24, seed: int = 0
+) -> Dataset:
+    """Random prompts answered greedily by `target` itself (the DFlash recipe trains on the target's own outputs).
+
+    Returns:
+        `Dataset` with `input_ids` (prompt + response) and `loss_mask` (1 on response tokens), all the same length.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.config.get_text_config().vocab_size
+    prompts = torch.randint(1, vocab, (num_examples, prompt_length), generator=generator)
+    out = target.generate(
+        prompts.to(target.device), attention_mask=torch.ones_like(prompts).to(target.device),
+        max_new_tokens=response_length, min_new_tokens=response_length, do_sample=False, pad_token_id=0,
+    ).cpu()  # fmt: skip
+    loss_mask = torch.zeros_like(out)
+    loss_mask[:, prompt_length:] = 1
+    return Dataset.from_dict({"input_ids": out.tolist(), "loss_mask": loss_mask.tolist()})
+
+
+__all__ = ["TINY_TARGET_NAME", "build_tiny_target", "init_drafter", "load_target", "synthetic_dataset"]
