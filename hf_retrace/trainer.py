@@ -72,6 +72,13 @@ class ReTraceTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
 
+    def train(self, *args, **kwargs):
+        """[`Trainer.train`]; afterwards `beta` is back to its inference value 1, whatever the warm-up reached."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._set_beta(1.0)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """One DFlash or ReTrace step on a padded batch (`input_ids`, `attention_mask`, `loss_mask`)."""
         args = self.args
@@ -114,15 +121,16 @@ class ReTraceTrainer(Trainer):
             merged.save_pretrained(output_dir)
         self.accelerator.wait_for_everyone()
 
-    def _set_beta(self) -> float:
+    def _set_beta(self, beta: float | None = None) -> float:
         """Linear warm-up of the correction coefficient (paper App. D): 0 at step 0, 1 after `beta_warmup_steps`."""
-        warmup = self.args.beta_warmup_steps
-        if warmup is None:
-            warmup = int(0.1 * self.state.max_steps)
-        beta = 1.0 if warmup == 0 else min(1.0, self.state.global_step / warmup)
+        if beta is None:
+            warmup = self.args.beta_warmup_steps
+            if warmup is None:
+                warmup = int(0.1 * self.state.max_steps)
+            beta = 1.0 if warmup == 0 else min(1.0, self.state.global_step / warmup)
         for module in self.model.modules():
             if isinstance(module, ReTraceTrajectoryEncoder):
-                module.beta.fill_(beta)
+                module.beta = beta  # a plain float attribute (not a buffer)
         return beta
 
     def _gate_norm(self) -> float:
@@ -144,7 +152,7 @@ def _validate_models(drafter, target, args: ReTraceConfig) -> None:
     """Raises `ValueError` with the fix when drafter, target and arguments do not fit together (before any compute)."""
     if not isinstance(drafter, ReTraceDrafterModel):
         raise ValueError(f"model must be a ReTraceDrafterModel, got {type(drafter).__name__}")
-    validate_drafter_for_target(target, drafter, batch_size=1)
+    validate_drafter_for_target(target, drafter)
     if args.block_size is not None and args.block_size != drafter.config.block_size:
         raise ValueError(
             f"block_size={args.block_size} but the drafter was built with block_size={drafter.config.block_size}; "

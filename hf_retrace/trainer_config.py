@@ -61,7 +61,8 @@ class ReTraceConfig(TrainingArguments):
 
     Note: overridden [`~transformers.TrainingArguments`] defaults: `learning_rate=6e-4`, `logging_steps=10`,
     `remove_unused_columns=False` (the collator needs `loss_mask`, which the drafter's forward does not take),
-    `warmup_steps=0.04` (a ratio), `lr_scheduler_type="cosine"`.
+    `warmup_steps=0.04` (a ratio), `lr_scheduler_type="cosine"`, `ddp_find_unused_parameters=False` (the trainer
+    freezes the parameters a mode does not use, so DDP needs no extra graph traversal).
     """
 
     # Parameters that control the model
@@ -111,6 +112,10 @@ class ReTraceConfig(TrainingArguments):
         default=0.04, metadata={"help": "Linear learning-rate warmup: steps, or a ratio of all steps if in [0, 1)."}
     )
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "DDP unused-parameter search; off because the trainer freezes every parameter a mode leaves unused."},
+    )
 
     def __post_init__(self):
         self._check_choices()

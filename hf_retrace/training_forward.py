@@ -102,9 +102,10 @@ def draft_blocks(
     block_size = config.block_size
     noise_embeds = embed_tokens(target, block_noise_ids(input_ids, anchor_positions, config.mask_token_id, block_size))
     mask = build_block_mask(anchor_positions, block_valid, seq_len, block_size, context_mask)
+    context_positions = token_positions(context_mask, input_ids.shape).to(input_ids.device)  # [b, T]
     slots = torch.arange(block_size, device=input_ids.device)
-    block_positions = (anchor_positions.unsqueeze(-1) + slots).flatten(1)  # [b, N*B]: p + k
-    context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+    anchor_rope = torch.gather(context_positions, 1, anchor_positions.clamp(max=seq_len - 1))  # [b, N]
+    block_positions = (anchor_rope.unsqueeze(-1) + slots).flatten(1)  # [b, N*B]: p + k
     out = drafter(
         noise_embeds=noise_embeds,
         context_hidden_states=context_features,
@@ -182,9 +183,11 @@ def faithful_verification_features(
     index = num_accepted.unsqueeze(-1) + 1 + torch.arange(rows, device=block_ids.device)  # [b, N, R]: i
     real = index <= block_size - 2
     tokens = torch.gather(block_ids, 2, index.clamp(max=block_size - 1)).flatten(1)  # [b, N*R]
-    positions = (anchor_positions.unsqueeze(-1) + index).flatten(1)  # [b, N*R]: p + i
     seq_len = prefix_cache.get_seq_length()
-    mask = build_verification_mask(positions, seq_len, rows, context_mask)
+    prefix_positions = token_positions(context_mask, (batch, seq_len)).to(block_ids.device)  # [b, T]
+    anchor_rope = torch.gather(prefix_positions, 1, anchor_positions.clamp(max=seq_len - 1))  # RoPE position of p
+    positions = (anchor_rope.unsqueeze(-1) + index).flatten(1)  # [b, N*R]: p + i
+    mask = build_verification_mask((anchor_positions.unsqueeze(-1) + index).flatten(1), seq_len, rows, context_mask)
     dtype = target.get_input_embeddings().weight.dtype
     feats = compute_target_features(
         target, tokens, layer_ids, attention_mask=to_additive_mask(mask, dtype), position_ids=positions,
@@ -193,6 +196,14 @@ def faithful_verification_features(
     out = feats.new_zeros(batch, num_blocks, block_size, feats.shape[-1])
     feats = feats.view(batch, num_blocks, rows, -1) * real.unsqueeze(-1)
     return out.scatter(2, index.clamp(max=block_size - 1).unsqueeze(-1).expand_as(feats), feats)
+
+
+def token_positions(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.LongTensor:
+    """RoPE positions `[b, T]` of a padded batch: 0, 1, ... over real tokens whatever the padding side (padding
+    slots get clamped values; they are masked everywhere). No mask: `0 .. T-1`."""
+    if attention_mask is None:
+        return torch.arange(shape[1]).expand(shape[0], -1)
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -221,7 +232,8 @@ def dflash_training_step(
         decay_weights (`torch.Tensor` of shape `(B,)`): [`loss_decay_weights`].
     """
     config = _unwrap(drafter).config
-    features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask)
+    positions = token_positions(attention_mask, input_ids.shape)
+    features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask, positions)
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
     labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size)
     hidden = draft_blocks(drafter, target, input_ids, features, anchors, valid, attention_mask)
@@ -274,7 +286,10 @@ def simulate_retrace_rounds(
     block_size, layer_ids = config.block_size, config.target_layer_ids
     faithful = verification_features == "faithful"
     cache = DynamicCache(config=target.config) if faithful else None
-    features = compute_target_features(target, input_ids, layer_ids, attention_mask, cache=cache, use_cache=faithful)
+    positions = token_positions(attention_mask, input_ids.shape)
+    features = compute_target_features(
+        target, input_ids, layer_ids, attention_mask, positions, cache=cache, use_cache=faithful
+    )
     labels = block_labels(input_ids, loss_mask, anchor_positions, block_valid, block_size)
     with torch.no_grad():  # round 1: "training detaches cached representations across rounds" (paper Sec. 3)
         first = draft_blocks(drafter, target, input_ids, features, anchor_positions, block_valid, attention_mask)

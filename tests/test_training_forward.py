@@ -226,3 +226,27 @@ def test_block_labels():
     I = IGNORE_INDEX  # noqa: E741
     # slot 0 never supervised; past the loss mask / sequence end ignored; invalid block ignored
     assert labels.tolist() == [[[I, 13, 14, I], [I, I, I, I], [I, I, I, I]]]
+
+
+@pytest.mark.parametrize("verification", ["faithful", "teacher_forced"])
+def test_left_and_right_padding_agree(models, verification):
+    """Positions come from the attention mask, so the padding side does not change any block."""
+    target, drafter = models
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(11))
+    right_mask = torch.ones_like(ids)
+    right_mask[1, 8:] = 0
+    left_ids = ids.clone()
+    left_ids[1] = torch.cat([ids[1, 8:], ids[1, :8]])  # the 4 padding slots move to the front
+    left_mask = torch.ones_like(ids)
+    left_mask[1, :4] = 0
+    anchors = torch.tensor([[2, 6], [1, 5]])
+    left_anchors = anchors + torch.tensor([[0], [4]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    with torch.no_grad():
+        right = simulate_retrace_rounds(drafter, target, ids, right_mask, right_mask, anchors, valid, verification)
+        left = simulate_retrace_rounds(
+            drafter, target, left_ids, left_mask, left_mask, left_anchors, valid, verification
+        )
+    torch.testing.assert_close(left.first_hidden_states, right.first_hidden_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(left.hidden_states, right.hidden_states, atol=1e-5, rtol=1e-5)
+    assert torch.equal(left.labels, right.labels)

@@ -1,0 +1,135 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#     "hf-retrace[train,assets]",
+#     "trl>=1.16",
+#     "peft",
+#     "accelerate",
+# ]
+# ///
+
+"""
+Train a DFlash or ReTrace drafter against a frozen target (DESIGN §3).
+
+# Tiny smoke run (seeded tiny random Qwen3 target, synthetic data; seconds on CPU)
+```bash
+python training/train.py --config training/recipes/tiny.yaml
+accelerate launch --config_file training/accelerate_configs/cpu_2proc.yaml training/train.py \
+    --config training/recipes/tiny.yaml
+```
+
+# SmolLM2-135M: DFlash from scratch, then ReTrace from that drafter (2 CPU cores)
+```bash
+python training/train.py --config training/recipes/smollm2-135m-dflash.yaml
+python training/train.py --config training/recipes/smollm2-135m-retrace.yaml
+```
+
+# Paper setting (Qwen3-4B target, z-lab DFlash-b16 drafter init; GPUs)
+```bash
+accelerate launch --config_file training/accelerate_configs/zero2.yaml training/train.py \
+    --config training/recipes/qwen3-4b-retrace.yaml
+```
+
+# LoRA on the drafter backbone (ReTrace modules train fully)
+```bash
+python training/train.py --config training/recipes/tiny.yaml --use_peft --lora_r 8 \
+    --drafter_name_or_path <dflash drafter folder>
+```
+
+Any recipe field may be overridden on the command line (`--max_steps 10`). Unknown recipe fields are an error.
+"""
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+from hf_retrace.trainer import ReTraceTrainer
+from hf_retrace.trainer_config import ReTraceConfig
+from hf_retrace.training_setup import init_drafter, load_target, synthetic_dataset
+
+
+SYNTHETIC = "synthetic"
+
+
+@dataclass
+class ReTraceScriptArguments(ScriptArguments):
+    """Data arguments. `dataset_name`: `synthetic` (random prompts answered by the target, for smoke tests), a
+    `save_to_disk` folder (e.g. the output of `hf_retrace.data.generate_responses`), a `.json`/`.jsonl` file, or a
+    Hub dataset. Rows are either tokenized (`input_ids`, `loss_mask`) or chat `messages` (tokenized here)."""
+
+    synthetic_num_examples: int = field(default=64, metadata={"help": "Rows of the `synthetic` dataset."})
+    synthetic_prompt_length: int = field(default=8, metadata={"help": "Prompt tokens per `synthetic` row."})
+    synthetic_response_length: int = field(default=24, metadata={"help": "Target tokens per `synthetic` row."})
+
+
+def load_training_dataset(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, target, tokenizer):
+    """The tokenized training split (`input_ids`, `loss_mask`)."""
+    name = script_args.dataset_name
+    if name is None:
+        raise ValueError("Set `dataset_name` (e.g. `synthetic`, a saved dataset folder or a .jsonl file).")
+    if name == SYNTHETIC:
+        return synthetic_dataset(
+            target, script_args.synthetic_num_examples, script_args.synthetic_prompt_length,
+            script_args.synthetic_response_length, seed=training_args.seed,
+        )  # fmt: skip
+    from datasets import load_dataset, load_from_disk
+
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
+        dataset = load_from_disk(name)
+    elif name.endswith((".json", ".jsonl")):
+        dataset = load_dataset("json", data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, script_args.dataset_config, split=script_args.dataset_train_split)
+    if "input_ids" in dataset.column_names:
+        return dataset
+    if tokenizer is None:
+        raise ValueError(f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer.")
+    from hf_retrace.data import tokenize_conversations
+
+    return tokenize_conversations(dataset, tokenizer, training_args.max_length)
+
+
+def lora_config(model_args: ModelConfig):
+    """LoRA on the drafter backbone from TRL's `ModelConfig` (`--use_peft`), or `None`."""
+    if not model_args.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules, modules_to_save=model_args.lora_modules_to_save,
+        use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
+    )  # fmt: skip
+
+
+def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig):
+    """Loads target and drafter, trains, saves the drafter (merged with `--use_peft`) to `output_dir`."""
+    if model_args.use_peft and not (training_args.drafter_name_or_path or model_args.model_name_or_path):
+        raise ValueError("--use_peft needs a trained drafter to adapt: set drafter_name_or_path.")
+    target, tokenizer = load_target(training_args.target_name_or_path, training_args.target_dtype)
+    drafter = init_drafter(training_args, target, model_args.model_name_or_path)
+    dataset = load_training_dataset(script_args, training_args, target, tokenizer)
+    trainer = ReTraceTrainer(
+        model=drafter, target=target, args=training_args, train_dataset=dataset, peft_config=lora_config(model_args)
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Saved the drafter to {training_args.output_dir}")
+    return trainer
+
+
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
+    dataclass_types = (ReTraceScriptArguments, ReTraceConfig, ModelConfig)
+    if subparsers is not None:
+        return subparsers.add_parser("train", help="Train a DFlash/ReTrace drafter", dataclass_types=dataclass_types)
+    return TrlParser(dataclass_types, prog=prog)
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    script_args, training_args, model_args = parser.parse_args_and_config()
+    main(script_args, training_args, model_args)
