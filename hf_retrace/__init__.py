@@ -14,6 +14,7 @@ from .generation_retrace import (
     install_generate_hook,
     retrace_generate,
 )
+from . import hub as _hub
 from .modeling_retrace import ReTraceConditioning, ReTraceDrafterModel, ReTraceDrafterPreTrainedModel
 
 
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 AutoConfig.register(ReTraceDrafterConfig.model_type, ReTraceDrafterConfig, exist_ok=True)
 AutoModel.register(ReTraceDrafterConfig, ReTraceDrafterModel, exist_ok=True)
 install_generate_hook()
+ReTraceDrafterModel.hub_publisher = staticmethod(_hub.push_to_hub)
 
 __all__ = [
     "RETRACE_MODES",

@@ -11,7 +11,7 @@ Folder layout (everything a user needs with `transformers` alone, `trust_remote_
     modeling_retrace.py           } Hub files copied by `save_pretrained` (`register_for_auto_class`)
     generation_retrace.py        /
     custom_generate/generate.py  `target.generate(..., custom_generate=<repo>, trust_remote_code=True)` recipe
-    README.md                    model card rendered from `model_cards/template.md`
+    README.md                    model card rendered from `hf_retrace/templates/model_card.md`
     eval_results.json            the evaluation JSON behind the card's table (only when one was given)
 
 No `generation_config.json`: the drafter never generates on its own; `generate` runs on the target, with its config.
@@ -66,7 +66,7 @@ EVAL_COLUMNS = (  # (row key, column title, number format)
     ("speedup", "Speedup", "{:.2f}×"),
 )
 UPLOAD_IGNORE = ["*__pycache__*", "*.pyc", "*.DS_Store"]
-DEFAULT_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "model_cards" / "template.md"
+DEFAULT_TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "model_card.md"
 _SOURCE_LINE = re.compile(r"^DRAFTER_SOURCE = None\b.*$", flags=re.MULTILINE)
 
 
@@ -187,7 +187,7 @@ def render_model_card(
     config, *, repo_id: str, base_model=None, license="apache-2.0", datasets=None, eval_data=None,
     num_parameters=None, template_path=None,
 ) -> ModelCard:  # fmt: skip
-    """Renders `model_cards/template.md` (or `template_path`) for a drafter `config` published as `repo_id`.
+    """Renders `hf_retrace/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
 
     Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (the target), `license`,
     `tags` [`CARD_TAGS`], `datasets`. The usage snippet loads `repo_id` and `base_model`.

@@ -222,6 +222,15 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         self.post_init()
         _install_generate_hook()
 
+    # Set by `import hf_retrace` to `hf_retrace.hub.push_to_hub` (card + custom_generate/ recipe). Remote-code copies
+    # loaded without the package keep transformers' own push_to_hub, which still ships the code files via auto_map.
+    hub_publisher = None
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Publishes the drafter; with hf_retrace installed the upload includes the model card and recipe."""
+        publisher = type(self).hub_publisher
+        return super().push_to_hub(repo_id, **kwargs) if publisher is None else publisher(self, repo_id, **kwargs)
+
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """`[b, T, len(target_layer_ids) * H]` concatenated target features -> `[b, T, H]` drafter context."""
         return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))

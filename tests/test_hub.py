@@ -432,10 +432,12 @@ def test_publish_refuses_card_without_base_model(drafter, tmp_path, capsys):
     assert "--base-model" in capsys.readouterr().err
 
 
-def test_push_to_hub_uploads_code_card_and_recipe(drafter, monkeypatch, tmp_path):
+@pytest.mark.parametrize("route", ["function", "method"])
+def test_push_to_hub_uploads_code_card_and_recipe(route, drafter, monkeypatch, tmp_path):
     fake = FakeHub(tmp_path / "cache")
     patch_hub(monkeypatch, fake)
-    plan, info = hub.push_to_hub(drafter, "org/pushed", base_model=TARGET_ID, private=True)
+    push = hub.push_to_hub if route == "function" else lambda d, *a, **k: d.push_to_hub(*a, **k)
+    plan, info = push(drafter, "org/pushed", base_model=TARGET_ID, private=True)
     (upload,) = fake.uploads
     assert set(upload["files"]) == {path for path, _ in plan}
     assert {"README.md", "custom_generate/generate.py", *hub.CODE_FILES} <= set(upload["files"])
