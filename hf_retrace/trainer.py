@@ -2,6 +2,7 @@
 """`ReTraceTrainer`: trains a DFlash/ReTrace drafter against a frozen target with [`transformers.Trainer`]."""
 
 from collections import defaultdict
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -69,8 +70,9 @@ class ReTraceTrainer(Trainer):
         self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
         block_size = model.config.block_size
         self.decay_weights = loss_decay_weights(block_size, args.resolved_loss_decay_gamma(block_size))
-        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
+        self._eval_batches = 0
 
     def train(self, *args, **kwargs):
         """[`Trainer.train`]; afterwards `beta` is back to its inference value 1, whatever the warm-up reached."""
@@ -86,7 +88,9 @@ class ReTraceTrainer(Trainer):
         input_ids, loss_mask = inputs["input_ids"][:, :length], inputs["loss_mask"][:, :length]
         attention_mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))[:, :length]
         beta = self._set_beta()
-        common = dict(num_anchors=args.num_anchors, decay_weights=self.decay_weights, generator=self._anchor_generator())
+        mode = "train" if model.training else "eval"
+        generator = self._anchor_generator() if mode == "train" else self._eval_generator()
+        common = dict(num_anchors=args.num_anchors, decay_weights=self.decay_weights, generator=generator)
         if args.training_mode == "dflash":
             out = dflash_training_step(model, self.target, input_ids, attention_mask, loss_mask, **common)
         else:
@@ -96,18 +100,39 @@ class ReTraceTrainer(Trainer):
             )  # fmt: skip
             out.metrics.update(beta=beta, gate_norm=self._gate_norm())
         for key, value in out.metrics.items():
-            self._metrics[key].append(value)
+            self._metrics[mode][key].append(value)
         return (out.loss, out) if return_outputs else out.loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation: the same objective under `no_grad` (the drafter has no logits/labels of its own to return)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluate(self, *args, **kwargs):
+        self._eval_batches = 0  # every evaluation samples the same anchors
+        return super().evaluate(*args, **kwargs)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds the step metrics (means since the last log, averaged over processes) to the Trainer's logs."""
-        if self._metrics:
-            keys = sorted(k for k in self._metrics if k != "loss")
-            local = torch.tensor([sum(self._metrics[k]) / len(self._metrics[k]) for k in keys], device=self.args.device)
+        """Adds the step metrics (means since the last log, averaged over processes) to the Trainer's logs.
+
+        `train_acceptance` is the mean number of accepted drafts `n` per trained block (greedy, against the labels;
+        `n + 1` tokens are committed per cycle), `round1_acceptance` the same for the simulated first round,
+        `conditioned_share` the share of round-2 blocks with a retained suffix (`L > 0`), `mean_retained` their
+        mean `L`, `gate_norm` the norm of the gate `g` and `beta` the correction coefficient.
+        """
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        metrics = self._metrics[mode]
+        if metrics:
+            keys = sorted(k for k in metrics if k != "loss")
+            local = torch.tensor([sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.args.device)
             gathered = self.accelerator.gather(local.unsqueeze(0)).mean(dim=0)
-            logs.update({("train_" + k if k in ("acceptance", "round1_acceptance") else k): float(v)
-                         for k, v in zip(keys, gathered)})  # fmt: skip
-            self._metrics.clear()
+            prefix = "eval_" if mode == "eval" else ""
+            logs.update(
+                {(f"{mode}_{k}" if k == "acceptance" else prefix + k): float(v) for k, v in zip(keys, gathered)}
+            )
+            metrics.clear()
         super().log(logs, start_time)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -138,6 +163,12 @@ class ReTraceTrainer(Trainer):
         trained = [m for m in encoders if m.gate.requires_grad] or encoders
         return float(trained[-1].gate.detach().float().norm())
 
+    def _eval_generator(self) -> torch.Generator:
+        self._eval_batches += 1
+        return torch.Generator().manual_seed(
+            self.args.seed * 1_000_003 + self._eval_batches * 257 + self.args.process_index
+        )
+
     def _anchor_generator(self) -> torch.Generator:
         """A generator seeded by (seed, step, micro-batch, rank): anchors never depend on global RNG state, so a run
         resumed from a checkpoint samples exactly what an uninterrupted one would, and ranks sample differently."""
@@ -151,7 +182,7 @@ class ReTraceTrainer(Trainer):
 def _validate_models(drafter, target, args: ReTraceConfig) -> None:
     """Raises `ValueError` with the fix when drafter, target and arguments do not fit together (before any compute)."""
     if not isinstance(drafter, ReTraceDrafterModel):
-        raise ValueError(f"model must be a ReTraceDrafterModel, got {type(drafter).__name__}")
+        raise TypeError(f"model must be a ReTraceDrafterModel, got {type(drafter).__name__}")
     validate_drafter_for_target(target, drafter)
     if args.block_size is not None and args.block_size != drafter.config.block_size:
         raise ValueError(
@@ -160,7 +191,9 @@ def _validate_models(drafter, target, args: ReTraceConfig) -> None:
         )
     vocab = target.get_input_embeddings().weight.shape[0]
     if drafter.config.mask_token_id >= vocab:
-        raise ValueError(f"mask_token_id={drafter.config.mask_token_id} has no row in the target's embeddings ({vocab}).")
+        raise ValueError(
+            f"mask_token_id={drafter.config.mask_token_id} has no row in the target's embeddings ({vocab})."
+        )
 
 
 def _validate_dataset(dataset) -> None:
@@ -174,7 +207,7 @@ def _validate_dataset(dataset) -> None:
             f"train_dataset lacks {missing}; tokenize it first with `hf_retrace.data.tokenize_conversations`."
         )
     for mask in dataset["loss_mask"] if hasattr(dataset, "column_names") else (row["loss_mask"] for row in dataset):
-        if any(a and b for a, b in zip(mask[:-1], mask[1:])):
+        if any(a and b for a, b in pairwise(mask)):
             return
     raise ValueError(
         "train_dataset has no response tokens to train on: no row has two consecutive loss_mask=1 positions "

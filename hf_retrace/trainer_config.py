@@ -7,10 +7,10 @@ from transformers import TrainingArguments
 
 from .configuration_retrace import RETRACE_MODES
 from .losses import default_loss_decay_gamma
+from .training_forward import VERIFICATION_FEATURES
 
 
 TRAINING_MODES = ("dflash", "retrace", "retrace_modules_only")
-VERIFICATION_FEATURES = ("faithful", "teacher_forced")
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -97,7 +97,8 @@ class ReTraceConfig(TrainingArguments):
         default=None, metadata={"help": "Linear warmup of the correction beta 0->1; unset = 10% of training steps."}
     )
     verification_features: str = field(
-        default="faithful", metadata={"help": f"Correction features of the simulated round, one of {VERIFICATION_FEATURES}."}
+        default="faithful",
+        metadata={"help": f"Correction features of the simulated round, one of {VERIFICATION_FEATURES}."},
     )
     merge_adapter: bool = field(
         default=True, metadata={"help": "With PEFT, save_model writes the merged drafter instead of the adapter."}
@@ -114,7 +115,9 @@ class ReTraceConfig(TrainingArguments):
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
     ddp_find_unused_parameters: bool | None = field(
         default=False,
-        metadata={"help": "DDP unused-parameter search; off because the trainer freezes every parameter a mode leaves unused."},
+        metadata={
+            "help": "DDP unused-parameter search; off because the trainer freezes every parameter a mode leaves unused."
+        },
     )
 
     def __post_init__(self):
@@ -148,4 +151,4 @@ class ReTraceConfig(TrainingArguments):
         return self.loss_decay_gamma if self.loss_decay_gamma is not None else default_loss_decay_gamma(block_size)
 
 
-__all__ = ["ReTraceConfig", "TRAINING_MODES", "VERIFICATION_FEATURES"]
+__all__ = ["TRAINING_MODES", "ReTraceConfig"]

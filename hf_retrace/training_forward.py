@@ -132,7 +132,7 @@ def align_rejected_trajectory(
         `j = s+n+1` and its verification position `j-1`); other slots are zero and unmasked. Worked example: `B = 8`,
         `n = 2` -> `L = 4`, slots 1..4 take `h_4..h_7` and `v_3..v_6`.
     """
-    batch, num_blocks, block_size, _ = draft_hidden_states.shape
+    block_size = draft_hidden_states.shape[2]
     slots = torch.arange(block_size, device=num_accepted.device)
     source = slots + num_accepted.unsqueeze(-1) + 1  # [b, N, B]: j = s + n + 1
     slot_mask = (slots >= 1) & (source <= block_size - 1) & block_valid.unsqueeze(-1)  # 1 <= s <= L
@@ -282,6 +282,10 @@ def simulate_retrace_rounds(
     One clean target forward serves both rounds (context features of positions `< p'` are the same for the true
     prefix) and, with `"faithful"`, its cache is the prefix of the extra forward over the drafted tails.
     """
+    if verification_features not in VERIFICATION_FEATURES:
+        raise ValueError(
+            f"verification_features must be one of {VERIFICATION_FEATURES}, got {verification_features!r}"
+        )
     config = _unwrap(drafter).config
     block_size, layer_ids = config.block_size, config.target_layer_ids
     faithful = verification_features == "faithful"
@@ -367,16 +371,16 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 __all__ = [
     "VERIFICATION_FEATURES",
+    "SimulatedRounds",
     "TrainingStepOutput",
     "align_rejected_trajectory",
-    "dflash_training_step",
-    "retrace_training_step",
-    "SimulatedRounds",
-    "simulate_retrace_rounds",
     "block_labels",
     "block_noise_ids",
+    "dflash_training_step",
     "draft_blocks",
     "faithful_verification_features",
+    "retrace_training_step",
     "sample_anchor_positions",
+    "simulate_retrace_rounds",
     "teacher_forced_verification_features",
 ]

@@ -29,8 +29,12 @@ def _train_module():
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "training" / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_parses(recipe, tmp_path):
-    script_args, training_args, model_args = _train_module().make_parser().parse_args_and_config(
-        ["--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu", "true"]  # GPU recipes parse here too
+    script_args, training_args, _ = (
+        _train_module()
+        .make_parser()
+        .parse_args_and_config(
+            ["--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu", "true"]  # GPU recipes parse here too
+        )
     )
     assert training_args.training_mode in ("dflash", "retrace", "retrace_modules_only")
     assert script_args.dataset_name
@@ -45,7 +49,9 @@ def test_unknown_recipe_field_fails_before_compute(tmp_path):
 
 
 def test_accelerate_configs():
-    configs = {p.stem: yaml.safe_load(p.read_text()) for p in (ROOT / "training" / "accelerate_configs").glob("*.yaml")}
+    configs = {
+        p.stem: yaml.safe_load(p.read_text()) for p in (ROOT / "training" / "accelerate_configs").glob("*.yaml")
+    }
     assert {"single_gpu", "multi_gpu", "fsdp2", "zero2", "cpu_2proc"} <= set(configs)
     assert configs["fsdp2"]["fsdp_config"]["fsdp_version"] == 2
     assert configs["fsdp2"]["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "ReTraceDrafterDecoderLayer"
@@ -105,7 +111,7 @@ def test_two_cpu_processes_ddp(tmp_path):
         "--config_file", str(ROOT / "training" / "accelerate_configs" / "cpu_2proc.yaml"),
         str(launcher), str(ROOT / "training" / "train.py"), "--config", str(TINY), "--output_dir", str(out),
     ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(rank["world"] == 2 for rank in ranks)

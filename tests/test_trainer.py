@@ -193,3 +193,14 @@ def test_error_block_size_mismatch(target, dataset, tmp_path):
 def test_error_bad_config_value(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         make_args(tmp_path, **{field: value})
+
+
+def test_evaluate_reports_loss_and_acceptance_deterministically(target, dataset, tmp_path):
+    args = make_args(tmp_path, max_steps=1, eval_strategy="no", per_device_eval_batch_size=4)
+    trainer = ReTraceTrainer(
+        model=fresh_drafter(target), target=target, args=args, train_dataset=dataset, eval_dataset=dataset,
+        data_collator=collate,
+    )  # fmt: skip
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first["eval_loss"] == second["eval_loss"] > 0
+    assert {"eval_acceptance", "eval_conditioned_share", "eval_beta"} <= set(first)

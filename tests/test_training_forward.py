@@ -223,7 +223,7 @@ def test_block_labels():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]])
     labels = block_labels(ids, loss_mask, torch.tensor([[2, 4, 0]]), torch.tensor([[True, True, False]]), B)
-    I = IGNORE_INDEX  # noqa: E741
+    I = IGNORE_INDEX
     # slot 0 never supervised; past the loss mask / sequence end ignored; invalid block ignored
     assert labels.tolist() == [[[I, 13, 14, I], [I, I, I, I], [I, I, I, I]]]
 

@@ -87,7 +87,9 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     if "input_ids" in dataset.column_names:
         return dataset
     if tokenizer is None:
-        raise ValueError(f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer.")
+        raise ValueError(
+            f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer."
+        )
     from hf_retrace.data import tokenize_conversations
 
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
