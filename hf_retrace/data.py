@@ -77,7 +77,20 @@ def _write_shard(shard_dir: Path, name: str, records: list[dict]) -> None:
     os.replace(tmp, shard_dir / f"{name}.jsonl")  # atomic: an interrupted write never leaves a half shard
 
 
-def _generate_batch(target, tokenizer, batch_prompt_ids, generation_kwargs, eos_token_ids, seed) -> list[tuple]:
+def _generation_kwargs(target, tokenizer, max_new_tokens, do_sample, temperature, top_p) -> tuple[dict, set[int]]:
+    """`generate` kwargs, plus the ids that end a response (the target's generation config first)."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id, top_k=None)
+    if do_sample:
+        kwargs.update(temperature=temperature, top_p=top_p)
+    else:  # greedy: silence sampling defaults a generation_config may carry
+        kwargs.update(temperature=None, top_p=None)
+    return kwargs, set(eos if isinstance(eos, list) else [eos])
+
+
+def _generate_batch(target, batch_prompt_ids, generation_kwargs, eos_token_ids, seed) -> list[tuple[list[int], bool]]:
     input_ids, attention_mask = _left_pad(batch_prompt_ids, generation_kwargs["pad_token_id"])
     torch.manual_seed(seed)  # per-batch seed: a resumed sampling run draws exactly what an uninterrupted one would
     with torch.inference_mode():
@@ -120,7 +133,7 @@ def generate_responses(
         do_sample (`bool`, *optional*, defaults to `False`): greedy decoding when `False`.
         temperature (`float`, *optional*, defaults to 1.0), top_p (`float`, *optional*, defaults to 1.0): sampling.
         seed (`int`, *optional*, defaults to 0): sampling seed.
-        save_every (`int`, *optional*, defaults to 1): batches per checkpoint shard.
+        save_every (`int`, *optional*, defaults to 1): batches per checkpoint shard (not part of the fingerprint).
 
     Returns:
         `Dataset` in prompt order with columns `index` (`int`), `messages` (the prompt plus the assistant response),
@@ -138,16 +151,9 @@ def generate_responses(
     shard_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "settings.json").write_text(json.dumps(dict(settings, target=target.config.name_or_path), indent=2))
 
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = target.generation_config.eos_token_id
-    eos = tokenizer.eos_token_id if eos is None else eos
-    eos_token_ids = set(eos if isinstance(eos, list) else [eos])
-    generation_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id)
-    if do_sample:
-        generation_kwargs.update(temperature=temperature, top_p=top_p, top_k=None)
-    else:  # greedy: silence sampling defaults a generation_config may carry
-        generation_kwargs.update(temperature=None, top_p=None, top_k=None)
-
+    generation_kwargs, eos_token_ids = _generation_kwargs(
+        target, tokenizer, max_new_tokens, do_sample, temperature, top_p
+    )
     all_prompt_ids = [_prompt_ids(tokenizer, messages) for messages in prompts]
     order = sorted(range(len(prompts)), key=lambda i: (len(all_prompt_ids[i]), i))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -160,9 +166,8 @@ def generate_responses(
     progress = tqdm(pending, desc="generating responses", unit="batch")
     for count, b in enumerate(progress, 1):
         batch = batches[b]
-        outputs = _generate_batch(
-            target, tokenizer, [all_prompt_ids[i] for i in batch], generation_kwargs, eos_token_ids, seed + b
-        )
+        batch_prompt_ids = [all_prompt_ids[i] for i in batch]
+        outputs = _generate_batch(target, batch_prompt_ids, generation_kwargs, eos_token_ids, seed + b)
         for i, (response_ids, finished) in zip(batch, outputs):
             buffer.append({"index": i, "response_ids": response_ids, "finished": finished})
             new_tokens += len(response_ids)

@@ -87,6 +87,25 @@ def test_generate_responses_resumes_after_interruption(smollm2, uninterrupted, t
     assert generate_responses(model, tokenizer, PROMPTS, tmp_path, save_every=1, **GEN).to_dict() == resumed.to_dict()
 
 
+def test_sampling_resume_draws_what_an_uninterrupted_run_draws(smollm2, tmp_path, monkeypatch):
+    model, tokenizer = smollm2
+    sample = dict(GEN, do_sample=True, temperature=1.5, top_p=0.95, seed=7)
+    full = generate_responses(model, tokenizer, PROMPTS, tmp_path / "full", **sample)
+    real_generate = model.generate
+
+    def interrupt_second_batch(*args, **kwargs):
+        if kwargs["input_ids"].shape[0] == 1:
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", interrupt_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        generate_responses(model, tokenizer, PROMPTS, tmp_path / "resumed", **sample)
+    monkeypatch.setattr(model, "generate", real_generate)
+    resumed = generate_responses(model, tokenizer, PROMPTS, tmp_path / "resumed", **sample)
+    assert resumed.to_dict() == full.to_dict()
+
+
 def test_fingerprint_tracks_what_changes_the_responses(smollm2):
     model, tokenizer = smollm2
     settings = dict(max_new_tokens=8, batch_size=2, do_sample=False, seed=0)
