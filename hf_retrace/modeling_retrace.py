@@ -25,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import cached_file
 
-from .configuration_retrace import ReTraceDrafterConfig, default_target_layer_ids
+from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
 
 
 @dataclass
@@ -147,30 +147,31 @@ class ReTraceTrajectoryEncoder(nn.Module):
 
     def __init__(self, config: ReTraceDrafterConfig):
         super().__init__()
-        self.mode = config.retrace_mode
+        self.config = config  # the mode is read at call time, so `set_retrace_mode` takes effect everywhere
         self.correction = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # W_c
         self.value_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)  # W_v
         self.gate = nn.Parameter(torch.full((config.hidden_size,), float(config.retrace_gate_init)))  # g
         self.beta = 1.0
 
     def forward(
-        self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning, target_context: torch.Tensor | None
+        self, inputs_embeds: torch.Tensor, states: torch.Tensor, target_context: torch.Tensor | None
     ) -> torch.Tensor:
-        """
+        """Runs on the conditioned slots only (`M` rows gathered by the model), so the cost scales with `L`, not `B`.
+
         Args:
-            noise_embeds (`torch.Tensor` of shape `(batch, num_slots, hidden)`): block input embeddings.
-            conditioning ([`ReTraceConditioning`]): retained states aligned with `noise_embeds`.
-            target_context (`torch.Tensor` of shape `(batch, num_slots, hidden)`, *optional*): projected target
-                features `t_j`; needed for mode `corrected`.
-        Returns: `torch.Tensor` of shape `(batch, num_slots, hidden)`, unchanged where `slot_mask` is False.
+            inputs_embeds (`torch.Tensor` of shape `(M, hidden)`): mask-slot input embeddings `e_j`.
+            states (`torch.Tensor` of shape `(M, hidden)`): retained drafter states `h_j`.
+            target_context (`torch.Tensor` of shape `(M, hidden)`, *optional*): projected target features `t_j`;
+                needed for mode `corrected`.
+        Returns: `torch.Tensor` of shape `(M, hidden)`, the new input embeddings `e'_j`.
         """
-        states = conditioning.hidden_states.to(noise_embeds.dtype)
-        slot_mask = conditioning.slot_mask.unsqueeze(-1)  # [b, Q, 1]
-        if self.mode == "overwrite":
-            return torch.where(slot_mask, states, noise_embeds)
-        if self.mode == "corrected":
+        states = states.to(inputs_embeds.dtype)
+        mode = self.config.retrace_mode
+        if mode == "overwrite":
+            return states
+        if mode == "corrected":
             states = states + self.beta * self.correction(torch.cat([states, target_context], dim=-1))
-        return noise_embeds + slot_mask * (self.gate * self.value_proj(states))
+        return inputs_embeds + self.gate * self.value_proj(states)
 
 
 class ReTraceDrafterPreTrainedModel(PreTrainedModel):
@@ -231,6 +232,12 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         publisher = type(self).hub_publisher
         return super().push_to_hub(repo_id, **kwargs) if publisher is None else publisher(self, repo_id, **kwargs)
 
+    def set_retrace_mode(self, mode: str) -> None:
+        """Switches the conditioning mode (`off | overwrite | gated | corrected`) of this drafter in place."""
+        if mode not in RETRACE_MODES:
+            raise ValueError(f"retrace_mode must be one of {RETRACE_MODES}, got {mode!r}")
+        self.config.retrace_mode = mode
+
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """`[b, T, len(target_layer_ids) * H]` concatenated target features -> `[b, T, H]` drafter context."""
         return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
@@ -264,10 +271,7 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         context = self.project_context(context_hidden_states)
         noise_embeds = noise_embeds.to(context.dtype)
         if rejected_trajectory is not None and self.config.retrace_mode != "off":
-            target_context = None
-            if self.config.retrace_mode == "corrected":
-                target_context = self.project_context(rejected_trajectory.target_features)
-            noise_embeds = self.retrace(noise_embeds, rejected_trajectory, target_context)
+            noise_embeds = self.apply_rejected_trajectory(noise_embeds, rejected_trajectory)
 
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
@@ -280,6 +284,16 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, position_embeddings, attention_mask, cache, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    def apply_rejected_trajectory(self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning) -> torch.Tensor:
+        """`noise_embeds` `(batch, Q, hidden)` with the conditioned slots replaced by `e'_j`; the anchor and the
+        unconditioned slots are returned untouched."""
+        slot_mask = conditioning.slot_mask  # [b, Q]
+        target_context = None
+        if self.config.retrace_mode == "corrected":
+            target_context = self.project_context(conditioning.target_features[slot_mask])  # [M, H]
+        rows = self.retrace(noise_embeds[slot_mask], conditioning.hidden_states[slot_mask], target_context)
+        return noise_embeds.index_put((slot_mask,), rows)
 
     def _prepare_mask(self, noise_embeds, attention_mask, cache):
         if attention_mask is not None and attention_mask.dim() == 4:

@@ -219,8 +219,7 @@ def _configure_drafter(drafter: ReTraceDrafterModel, args: ReTraceConfig) -> Non
     """Applies `retrace_mode` and freezes what `training_mode` and the mode do not train."""
     if args.retrace_mode is not None and args.retrace_mode != drafter.config.retrace_mode:
         logger.info(f"Switching the drafter's retrace_mode {drafter.config.retrace_mode!r} -> {args.retrace_mode!r}")
-        drafter.config.retrace_mode = args.retrace_mode
-        drafter.retrace.mode = args.retrace_mode
+        drafter.set_retrace_mode(args.retrace_mode)
     used = _USED_RETRACE_PARAMS[drafter.config.retrace_mode] if args.training_mode != "dflash" else ()
     for name, param in drafter.named_parameters():
         if name.startswith("retrace."):

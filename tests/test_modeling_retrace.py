@@ -69,8 +69,7 @@ def test_zero_value_projection_reproduces_dflash_forward(tiny_target, mode):
 
 def test_conditioning_touches_only_masked_slots(tiny_drafter):
     noise, _, cond = _block_inputs(tiny_drafter)
-    target_context = tiny_drafter.project_context(cond.target_features)
-    out = tiny_drafter.retrace(noise, cond, target_context)
+    out = tiny_drafter.apply_rejected_trajectory(noise, cond)
     changed = (out != noise).any(-1)[0].tolist()
     assert changed == cond.slot_mask[0].tolist()  # anchor slot 0 and unconditioned slots untouched
 
@@ -78,7 +77,7 @@ def test_conditioning_touches_only_masked_slots(tiny_drafter):
 def test_overwrite_mode_replaces_inputs(tiny_target):
     drafter = make_drafter(tiny_target, mode="overwrite")
     noise, _, cond = _block_inputs(drafter)
-    out = drafter.retrace(noise, cond, None)
+    out = drafter.apply_rejected_trajectory(noise, cond)
     torch.testing.assert_close(out[0, 1:3], cond.hidden_states[0, 1:3])
     torch.testing.assert_close(out[0, [0, 3]], noise[0, [0, 3]])
 
