@@ -25,7 +25,21 @@ AutoModel.register(ReTraceDrafterConfig, ReTraceDrafterModel, exist_ok=True)
 install_generate_hook()
 ReTraceDrafterModel.hub_publisher = staticmethod(_hub.push_to_hub)
 
+# Training needs the `train` extra (trl, datasets, peft); import it only when asked for.
+_LAZY = {"ReTraceTrainer": "hf_retrace.trainer", "ReTraceConfig": "hf_retrace.trainer_config"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_retrace' has no attribute {name!r}")
+
+
 __all__ = [
+    "ReTraceConfig",
+    "ReTraceTrainer",
     "RETRACE_MODES",
     "ReTraceCandidateGenerator",
     "ReTraceConditioning",

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
+#   experiments/smollm2.sh [data|dflash|phase2|bench|ship]...   (default: all, in order)
+# Phase 1 trains a DFlash drafter on the first data snapshot; phase 2 continues from it on the FULL pool (the same
+# extra data and the same number of steps for every arm): ReTrace corrected, the continued-DFlash control and the
+# overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out prompts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+PY=.venv/bin/python
+PHASE1_STEPS=${PHASE1_STEPS:-120}
+PHASE2_STEPS=${PHASE2_STEPS:-40}
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench ship)
+
+data() {  # target-regenerated responses (greedy, fp32), cached and resumable
+  $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
+    --max-new-tokens 256 --batch-size 64 --chunk-size 128 --dtype float32 --num-threads 1 --output data_cache/smollm2
+  [ -d data_cache/phase1 ] || cp -r data_cache/smollm2/dataset data_cache/phase1
+}
+
+dflash() {
+  $PY training/train.py --config training/recipes/smollm2-135m-dflash.yaml --dataset_name data_cache/phase1 \
+    --max_steps "$PHASE1_STEPS" --save_steps 10 --output_dir runs/smollm2-dflash
+}
+
+phase2_arm() {  # name, then extra train.py flags
+  local name=$1; shift
+  $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name data_cache/smollm2/dataset \
+    --drafter_name_or_path runs/smollm2-dflash --max_steps "$PHASE2_STEPS" --save_steps 10 --output_dir "runs/smollm2-$name" "$@"
+}
+
+phase2() {
+  phase2_arm retrace --training_mode retrace --retrace_mode corrected &
+  phase2_arm control --training_mode dflash --retrace_mode off
+  wait
+  phase2_arm gated --training_mode retrace --retrace_mode gated &
+  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
+  wait
+}
+
+bench() {
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 96 \
+    --prompt-sets gsm_symbolic:8,humaneval:8 \
+    --methods ar,prompt_lookup,dflash=runs/smollm2-dflash,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace,gated=runs/smollm2-gated,overwrite=runs/smollm2-overwrite \
+    --output-dir results/smollm2
+}
+
+ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
+  $PY - <<'PY'
+import torch
+from hf_retrace import ReTraceDrafterModel
+from hf_retrace.hub import save_for_hub
+for run, name in [("runs/smollm2-retrace", "smollm2-135m-retrace"), ("runs/smollm2-dflash", "smollm2-135m-dflash")]:
+    drafter = ReTraceDrafterModel.from_pretrained(run, dtype=torch.bfloat16)
+    save_for_hub(drafter, f"model_cards/{name}", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                 eval_results_json="results/smollm2/results.json")
+PY
+}
+
+for step in "${STEPS[@]}"; do "$step"; done
