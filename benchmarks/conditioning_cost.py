@@ -22,16 +22,8 @@ import torch
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.assets import load_default_target
-from hf_retrace.bench import (
-    DTYPES,
-    Method,
-    MethodSpec,
-    add_logit_gaps,
-    check_lossless,
-    encode_prompt_set,
-    run_interleaved,
-    summarize,
-)
+from hf_retrace.bench import DTYPES, Method, MethodSpec, encode_prompt_set, run_interleaved
+from hf_retrace.bench_report import add_logit_gaps, check_lossless, summarize
 from hf_retrace.prompts import EVAL_SEED_OFFSET
 
 

@@ -29,12 +29,14 @@ and a one-token decode step, which is numerics, not a lossless bug (seen on Smol
 
 Outputs in `--output-dir`: `results.json` (`results`: one row per method x prompt set plus `pooled`), `results.md`,
 `tau.png`, `acceptance_histograms.png`.
+
+This module is the CLI, the parsing and the interleaved run; the lossless check and the outputs are in
+`hf_retrace.bench_report`, the timing instruments in `hf_retrace.bench_timing`.
 """
 
 import argparse
 import contextlib
 import copy
-import importlib
 import json
 import os
 import sys
@@ -47,18 +49,22 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .bench_report import (
+    REFERENCE,
+    Generation,
+    add_logit_gaps,
+    check_lossless,
+    render_markdown,
+    summarize,
+    write_outputs,
+)
+from .bench_timing import ConditioningTimer, TargetCycleRecorder
 from .configuration_retrace import RETRACE_MODES
 from .modeling_retrace import ReTraceDrafterModel
-from .plots import plot_acceptance_histograms, plot_tau
 from .prompts import EVAL_SEED_OFFSET, load_prompts
 
 
-TAU_NOTE = (
-    "tau is pooled over cycles: committed tokens (bonus included) summed over all verification cycles of all "
-    "prompts, divided by the number of cycles"
-)
 DEFAULT_LOOKUP_TOKENS = 10
-REFERENCE = "ar"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -172,115 +178,6 @@ def load_drafter(folder: str, retrace_mode: str | None, dtype: torch.dtype, devi
     return drafter.to(device).eval()
 
 
-class TargetCycleRecorder:
-    """Forward pre-hook on the target: tokens committed by each target forward (one forward = one cycle).
-
-    Committed length before forward k: the prompt length for k = 0; afterwards the last committed token is the first
-    input, at position `position_ids[0, 0]`, so the length is that position + 1. Cycle k committed the difference
-    to the next forward's length (the final sequence length for the last one). Worked example, prompt of 7, ar:
-    forwards start at lengths 7, 8 (position 7), 9 ... so each commits 1.
-    """
-
-    def __init__(self, target, prompt_length: int):
-        self.prompt_length, self.lengths = prompt_length, []
-        self._handle = target.register_forward_pre_hook(self._record, with_kwargs=True)
-
-    def _record(self, module, args, kwargs):
-        if not self.lengths:
-            self.lengths.append(self.prompt_length)
-            return
-        position_ids = kwargs.get("position_ids")
-        start = int(position_ids[0, 0]) if position_ids is not None else kwargs["cache"].get_seq_length()
-        self.lengths.append(start + 1)
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-    def committed(self, final_length: int) -> list[int]:
-        ends = self.lengths[1:] + [final_length]
-        return [end - start for start, end in zip(self.lengths, ends)]
-
-
-class ConditioningTimer:
-    """Wall time ReTrace spends on conditioning while it is entered: reading the verification features, building the
-    rejected trajectory, projecting its target features and the drafter's `retrace` submodule (perf_counter, with a
-    CUDA sync around each span on GPU, which costs drafter methods a few syncs per cycle there). Wraps the generator's
-    helpers for the duration only and restores them on exit; it changes no computation."""
-
-    def __init__(self, drafter: ReTraceDrafterModel):
-        self.drafter, self.seconds = drafter, 0.0
-        self._generation = importlib.import_module(type(drafter).__module__.rsplit(".", 1)[0] + ".generation_retrace")
-        self._trajectory_features = None
-        self._restore, self._handles = [], []
-
-    def _sync(self):
-        if self.drafter.device.type == "cuda":
-            torch.cuda.synchronize(self.drafter.device)
-
-    def _timed(self, fn, keep_trajectory: bool = False):
-        def wrapper(*args, **kwargs):
-            self._sync()
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self._sync()
-            self.seconds += time.perf_counter() - start
-            if keep_trajectory:
-                self._trajectory_features = None if out is None else out.target_features
-            return out
-
-        return wrapper
-
-    def _projection(self, project):
-        timed = self._timed(project)
-
-        def wrapper(features):  # only the projection of the trajectory's features is conditioning work
-            return timed(features) if features is self._trajectory_features else project(features)
-
-        return wrapper
-
-    def _start(self, module, args):
-        self._sync()
-        self._span_start = time.perf_counter()
-
-    def _stop(self, module, args, output):
-        self._sync()
-        self.seconds += time.perf_counter() - self._span_start
-
-    def __enter__(self):
-        gen, cls = self._generation, self._generation.ReTraceCandidateGenerator
-        self._restore = [(gen, "build_rejected_trajectory", gen.build_rejected_trajectory)]
-        self._restore.append((cls, "_verification_features", cls.__dict__["_verification_features"]))
-        gen.build_rejected_trajectory = self._timed(gen.build_rejected_trajectory, keep_trajectory=True)
-        cls._verification_features = self._timed(cls.__dict__["_verification_features"])
-        self.drafter.project_context = self._projection(self.drafter.project_context)
-        retrace = self.drafter.retrace
-        self._handles = [retrace.register_forward_pre_hook(self._start), retrace.register_forward_hook(self._stop)]
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in self._restore:
-            setattr(owner, name, original)
-        del self.drafter.project_context
-        for handle in self._handles:
-            handle.remove()
-        self._trajectory_features = None
-
-
-@dataclass
-class Generation:
-    """One method on one prompt."""
-
-    method: str
-    prompt_set: str
-    prompt_index: int
-    token_ids: list[int]
-    seconds: float
-    acceptance_lengths: list[int]
-    target_forwards: int
-    conditioning_seconds: float = 0.0
-    num_conditioned_rounds: int = 0
-
-
 class Method:
     """A loaded `MethodSpec`: what to pass to `generate`, and how to read its cycles."""
 
@@ -357,188 +254,6 @@ def run_interleaved(target, methods, prompt_sets, generate_kwargs, seed=None, pr
                     bar.update()
                 k += 1
     return generations
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """First index where two token lists differ (a length difference counts), or `None` if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@dataclass
-class LosslessFailure:
-    """A greedy output that differs from `ar`'s: where, and the first differing generated token."""
-
-    method: str
-    prompt_set: str
-    prompt_index: int
-    index: int
-    expected: int | None  # None: that output had already ended
-    got: int | None
-    logit_gap: float | None = None  # see `add_logit_gaps`
-
-    def __str__(self) -> str:
-        want, got = ("<end>" if t is None else t for t in (self.expected, self.got))
-        gap = (
-            ""
-            if self.logit_gap is None
-            else f"; target logit gap {REFERENCE} - {self.method} token: {self.logit_gap:.4g}"
-        )
-        return (
-            f"method {self.method!r} on prompt {self.prompt_set}#{self.prompt_index}: first differing generated "
-            f"token at index {self.index} ({REFERENCE}={want}, {self.method}={got}{gap})"
-        )
-
-
-def check_lossless(generations: list[Generation]) -> list[LosslessFailure]:
-    """One failure per (method, prompt) whose greedy tokens differ from `ar`'s on the same prompt."""
-    reference = {(g.prompt_set, g.prompt_index): g.token_ids for g in generations if g.method == REFERENCE}
-    failures = []
-    for g in generations:
-        expected = reference[(g.prompt_set, g.prompt_index)]
-        index = first_difference(expected, g.token_ids)
-        if g.method != REFERENCE and index is not None:
-            want = expected[index] if index < len(expected) else None
-            got = g.token_ids[index] if index < len(g.token_ids) else None
-            failures.append(LosslessFailure(g.method, g.prompt_set, g.prompt_index, index, want, got))
-    return failures
-
-
-@torch.no_grad()
-def add_logit_gaps(target, prompt_sets, generations: list[Generation], failures: list[LosslessFailure]) -> None:
-    """Sets `logit_gap` of each failure: the target's logit of `ar`'s token minus that of the method's token at the
-    first differing position, from one full forward of the prompt and `ar`'s tokens before it. A gap of one unit in
-    the last place (bf16: 0.0625 at |logit| 8..16) is a near-tie that block-vs-single-token numerics can flip; a
-    large gap points to a bug."""
-    prompts = {(label, i): ids for label, ids_list in prompt_sets for i, ids in enumerate(ids_list)}
-    reference = {(g.prompt_set, g.prompt_index): g.token_ids for g in generations if g.method == REFERENCE}
-    for failure in failures:
-        if failure.expected is None or failure.got is None:
-            continue
-        key = (failure.prompt_set, failure.prompt_index)
-        prefix = torch.tensor([reference[key][: failure.index]], dtype=torch.long)
-        input_ids = torch.cat([prompts[key], prefix], dim=1).to(target.device)
-        logits = target(input_ids, logits_to_keep=1).logits[0, -1].float()
-        failure.logit_gap = (logits[failure.expected] - logits[failure.got]).item()
-
-
-def summarize(
-    generations: list[Generation], methods: list[Method], failures: list[LosslessFailure], greedy: bool
-) -> list[dict]:
-    """Rows per method x prompt set, then one `pooled` row per method; `speedup` is over `ar` on the same rows.
-    `lossless` is `None` when sampling (not checked)."""
-    labels = list(dict.fromkeys(g.prompt_set for g in generations))
-    rows = []
-    for label in labels + ["pooled"]:
-        for method in methods:
-            subset = [g for g in generations if g.method == method.name and label in ("pooled", g.prompt_set)]
-            failed = any(f.method == method.name and label in ("pooled", f.prompt_set) for f in failures)
-            rows.append(_row(method, label, subset, not failed if greedy else None))
-    reference = {row["prompt_set"]: row["tokens_per_s"] for row in rows if row["method"] == REFERENCE}
-    for row in rows:
-        ref = reference.get(row["prompt_set"])
-        row["speedup"] = row["tokens_per_s"] / ref if ref else None
-    return rows
-
-
-def _row(method: Method, label: str, subset: list[Generation], lossless: bool | None) -> dict:
-    cycles = [n for g in subset for n in g.acceptance_lengths]
-    histogram = [0] * max([method.block_size] + cycles)
-    for n in cycles:
-        histogram[n - 1] += 1
-    seconds = sum(g.seconds for g in subset)
-    new_tokens = sum(len(g.token_ids) for g in subset)
-    conditioning = sum(g.conditioning_seconds for g in subset)
-    is_drafter = method.drafter is not None
-    return {
-        "method": method.name,
-        "prompt_set": label,
-        "num_prompts": len(subset),
-        "tau": sum(cycles) / len(cycles) if cycles else None,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
-        "speedup": None,
-        "acceptance_histogram": histogram,
-        "conditioning_share": conditioning / seconds if is_drafter and seconds > 0 else None,
-        "conditioning_ms_per_cycle": 1e3 * conditioning / len(cycles) if is_drafter and cycles else None,
-        "cycle_ms": 1e3 * seconds / len(cycles) if cycles else None,
-        "num_cycles": len(cycles),
-        "new_tokens": new_tokens,
-        "seconds": seconds,
-        "target_forwards": sum(g.target_forwards for g in subset),
-        "num_conditioned_rounds": sum(g.num_conditioned_rounds for g in subset),
-        "lossless": lossless,
-        "block_size": method.block_size,
-        "retrace_mode": method.retrace_mode,
-        "drafter": method.spec.folder,
-    }
-
-
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _percent(share: float | None) -> float | None:
-    return None if share is None else 100 * share
-
-
-def render_markdown(rows: list[dict], run_info: dict, failures: list[LosslessFailure]) -> str:
-    """The results table (tau pooled over cycles), acceptance histograms and any lossless failures, as markdown."""
-    lines = [
-        "# hf-retrace bench",
-        "",
-        (
-            f"target `{run_info['target']}` ({run_info['dtype']}, {run_info['device']}, "
-            f"{run_info['num_threads']} threads), {run_info['decoding']}, "
-            f"max_new_tokens={run_info['max_new_tokens']}, methods interleaved per prompt."
-        ),
-        "",
-        f"{TAU_NOTE}. Speedup = tokens/s over `ar` tokens/s on the same prompts in the same run.",
-        "Conditioning share = ReTrace conditioning time / generation time (drafter methods only).",
-        "",
-        (
-            "| method | prompt set | prompts | tau (pooled over cycles) | tokens/s | speedup | conditioning share "
-            "| cycles | new tokens | lossless |"
-        ),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lossless = {None: "n/a (sampling)", True: "yes", False: "**NO**"}[r["lossless"]]
-        lines.append(
-            f"| {r['method']} | {r['prompt_set']} | {r['num_prompts']} | {_fmt(r['tau'], '.3f')} "
-            f"| {_fmt(r['tokens_per_s'], '.2f')} | {_fmt(r['speedup'], '.3f', 'x')} "
-            f"| {_fmt(_percent(r['conditioning_share']), '.2f', '%')} "
-            f"| {r['num_cycles']} | {r['new_tokens']} | {lossless} |"
-        )
-    lines += ["", "## Acceptance-length histograms (pooled over cycles of all prompts)", ""]
-    lines += ["| method | counts of committed tokens per cycle (length:count) |", "|---|---|"]
-    for r in rows:
-        if r["prompt_set"] == "pooled":
-            counts = " ".join(f"{i + 1}:{c}" for i, c in enumerate(r["acceptance_histogram"]))
-            lines.append(f"| {r['method']} | {counts} |")
-    if failures:
-        lines += ["", "## LOSSLESS CHECK FAILED", ""] + [f"- {f}" for f in failures]
-    return "\n".join(lines) + "\n"
-
-
-def write_outputs(output_dir: Path, rows, generations, run_info, failures) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    per_prompt = [
-        {k: v for k, v in asdict(g).items() if k != "token_ids"} | {"new_tokens": len(g.token_ids)}
-        for g in generations
-    ]
-    payload = {
-        "run": run_info,
-        "tau_definition": TAU_NOTE,
-        "results": rows,
-        "lossless_failures": [asdict(f) | {"message": str(f)} for f in failures],
-        "generations": per_prompt,
-    }
-    (output_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (output_dir / "results.md").write_text(render_markdown(rows, run_info, failures))
-    plot_tau(rows, output_dir / "tau.png")
-    plot_acceptance_histograms(rows, output_dir / "acceptance_histograms.png")
 
 
 def make_parser() -> argparse.ArgumentParser:

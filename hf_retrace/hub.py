@@ -20,22 +20,11 @@ No `generation_config.json`: the drafter never generates on its own; `generate` 
 so its `DRAFTER_SOURCE` names the drafter: the repo id once published (or when `repo_id=` is given), otherwise the
 absolute path of the folder. `publish` rewrites it (and the card) for the target repo id before uploading.
 
-Evaluation JSON schema (input of the card's table; `hf-retrace bench` output is expected to follow it):
-
-    {
-      "results": [                       # required: one row per (method, prompt set)
-        {"method": "retrace", "prompt_set": "gsm_symbolic", "tau": 3.41, "tokens_per_s": 61.2, "speedup": 2.27},
-        ...
-      ],
-      "target": "...", "dtype": "...",   # optional top-level scalars: shown as a "Setup" line above the table
-    }
-
-Row keys `method`, `prompt_set`, `tau`, `tokens_per_s`, `speedup` become the columns; a missing or null one renders
-as "–"; other row keys are ignored.
+The card and its evaluation JSON schema live in [`hf_retrace.model_card`], the folder checks in
+[`hf_retrace.hub_validation`]; their entry points listed in this module's `__all__` are re-exported here.
 """
 
 import argparse
-import ast
 import json
 import math
 import re
@@ -44,34 +33,17 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-import torch
-from huggingface_hub import HfApi, ModelCard, ModelCardData
-from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
-from safetensors import safe_open
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from .configuration_retrace import ReTraceDrafterConfig
-from .modeling_retrace import ReTraceDrafterModel
+from .hub_validation import CUSTOM_GENERATE_FILE, HubFolderError, check_repo_id, validate_folder, weight_shapes
+from .model_card import check_card_metadata, eval_table, load_eval_results, render_model_card
 
 
-CODE_FILES = ("configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py")
-CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 EVAL_FILE = "eval_results.json"
-CARD_TAGS = ("speculative-decoding", "dflash", "retrace")
-FIXED_METADATA = {"library_name": "transformers", "pipeline_tag": "text-generation"}
-EVAL_COLUMNS = (  # (row key, column title, number format)
-    ("method", "Method", "{}"),
-    ("prompt_set", "Prompt set", "{}"),
-    ("tau", "tau", "{:.2f}"),
-    ("tokens_per_s", "tokens/s", "{:.1f}"),
-    ("speedup", "Speedup", "{:.2f}×"),
-)
 UPLOAD_IGNORE = ["*__pycache__*", "*.pyc", "*.DS_Store"]
-DEFAULT_TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "model_card.md"
 _SOURCE_LINE = re.compile(r"^DRAFTER_SOURCE = None\b.*$", flags=re.MULTILINE)
-
-
-class HubFolderError(ValueError):
-    """A drafter folder that cannot be published; the message lists every problem with its fix."""
 
 
 # ----------------------------------------------------------------------------------------------------- writing
@@ -88,7 +60,8 @@ def save_for_hub(
         repo_id (`str`, *optional*): `ORG/NAME` the folder is meant for; defaults to the folder's absolute path
             (the recipe and the card's snippet then load the drafter from there; `publish` rewrites both).
         base_model (`str`, *optional*): Hub id of the target model, for the card metadata and snippet.
-        eval_results_json (`str` or `os.PathLike`, *optional*): evaluation JSON (schema in the module docstring).
+        eval_results_json (`str` or `os.PathLike`, *optional*): evaluation JSON (schema in
+            `hf_retrace.model_card`).
         license (`str`, defaults to `"apache-2.0"`), datasets (`list[str]`, *optional*): card metadata.
     Returns:
         `Path`: the folder.
@@ -101,7 +74,7 @@ def save_for_hub(
     ```
     """
     if repo_id is not None:
-        _check_repo_id(repo_id)
+        check_repo_id(repo_id)
     folder = Path(folder)
     # Class-level, as transformers intends: every later `save_pretrained` of this class also ships the code files.
     type(drafter).register_for_auto_class("AutoModel")
@@ -148,88 +121,6 @@ def _write_files(folder: Path, files: dict[str, bytes]) -> None:
         (folder / relpath).write_bytes(content)
 
 
-# -------------------------------------------------------------------------------------------------- model card
-
-
-def load_eval_results(path) -> dict:
-    """Reads and checks an evaluation JSON (schema in the module docstring)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"Cannot read evaluation JSON {path}: {err}") from err
-    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
-        example = '{"results": [{"method": "retrace", "prompt_set": "gsm", "tau": 3.4, "speedup": 2.1}]}'
-        raise ValueError(f'Evaluation JSON {path} needs a top-level "results" list of rows, e.g. {example}')
-    if not all(isinstance(row, dict) for row in data["results"]):
-        raise ValueError(f'Every entry of "results" in {path} must be an object (a table row).')
-    return data
-
-
-def format_eval_cell(row: dict, key: str, fmt: str) -> str:
-    """One table cell: formatted number, plain text, or "–" when missing/null/NaN."""
-    value = row.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return fmt.format(value)
-    return str(value).replace("|", "\\|")
-
-
-def eval_table(eval_data: dict) -> str:
-    """Markdown table of `eval_data["results"]`, one row per entry, columns `EVAL_COLUMNS`."""
-    lines = ["| " + " | ".join(title for _, title, _ in EVAL_COLUMNS) + " |", "|---" * len(EVAL_COLUMNS) + "|"]
-    for row in eval_data["results"]:
-        lines.append("| " + " | ".join(format_eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS) + " |")
-    return "\n".join(lines)
-
-
-def render_model_card(
-    config, *, repo_id: str, base_model=None, license="apache-2.0", datasets=None, eval_data=None,
-    num_parameters=None, template_path=None,
-) -> ModelCard:  # fmt: skip
-    """Renders `hf_retrace/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
-
-    Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (the target), `license`,
-    `tags` [`CARD_TAGS`], `datasets`. The usage snippet loads `repo_id` and `base_model`.
-    """
-    template = Path(template_path or DEFAULT_TEMPLATE_PATH)
-    if not template.is_file():
-        raise FileNotFoundError(
-            f"Model card template {template} not found; pass template_path= (it ships in the source checkout "
-            "under model_cards/)."
-        )
-    data = ModelCardData(
-        **FIXED_METADATA, base_model=base_model, license=license, tags=list(CARD_TAGS), datasets=datasets or None
-    )
-    setup = {k: v for k, v in (eval_data or {}).items() if k != "results" and isinstance(v, (str, int, float, bool))}
-    return ModelCard.from_template(
-        data,
-        template_path=str(template),
-        config=config,
-        repo_id=repo_id,
-        model_name=repo_id.rstrip("/").split("/")[-1],
-        base_model=base_model,
-        target_id=base_model or "TARGET_MODEL_ID",
-        num_parameters=f"{num_parameters:,}" if num_parameters else "–",
-        eval_table=eval_table(eval_data) if eval_data else None,
-        eval_setup="Setup: " + ", ".join(f"{k} = `{v}`" for k, v in setup.items()) if setup else None,
-    )
-
-
-def check_card_metadata(card: ModelCard) -> list[str]:
-    """Offline metadata checks (the Hub's own YAML validation needs the network); returns the problems found."""
-    data = card.data
-    problems = [f"{k} must be {v!r}, got {data.get(k)!r}" for k, v in FIXED_METADATA.items() if data.get(k) != v]
-    if not data.license:
-        problems.append("license is missing; pass --license (e.g. apache-2.0)")
-    missing_tags = [t for t in CARD_TAGS if t not in (data.tags or [])]
-    if missing_tags:
-        problems.append(f"tags {missing_tags} are missing")
-    if data.base_model is not None and not _is_repo_id(data.base_model):
-        problems.append(f"base_model must be a Hub model id such as 'Qwen/Qwen3-8B', got {data.base_model!r}")
-    return problems
-
-
 def _current_card_meta(folder: Path) -> dict:
     if not (folder / "README.md").is_file():
         return {}
@@ -238,144 +129,8 @@ def _current_card_meta(folder: Path) -> dict:
     return {k: v for k, v in current.items() if v is not None}
 
 
-# -------------------------------------------------------------------------------------------------- validation
-
-
-def validate_folder(folder) -> None:
-    """Raises [`HubFolderError`] listing every problem (and its fix) that keeps `folder` from being published:
-    missing/unloadable weights, config vs weight-shape mismatches, missing code files or `auto_map`, code files
-    that import `hf_retrace` (Hub users do not have it)."""
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise HubFolderError(f"{folder}/config.json is missing or unreadable ({err}); write the folder with "
-                             "`save_for_hub(drafter, folder)`.") from err  # fmt: skip
-    problems = _check_code_files(folder, config) + _check_package_imports(folder)
-    try:
-        shapes = weight_shapes(folder)
-    except HubFolderError as err:
-        problems.append(str(err))
-    else:
-        problems += _check_shapes(folder, shapes)
-    if problems:
-        raise HubFolderError(f"{folder} cannot be published:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def weight_shapes(folder) -> dict[str, list[int]]:
-    """`{parameter name: shape}` read from the safetensors headers (single file or sharded index)."""
-    folder, index = Path(folder), Path(folder) / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in folder.glob("*.bin")) or "no weights file"
-        raise HubFolderError(
-            f"model.safetensors is missing ({found}). Save the drafter with `save_for_hub(drafter, folder)`; "
-            "it writes safetensors."
-        )
-    shapes = {}
-    for name in files:
-        try:
-            with safe_open(folder / name, framework="pt") as f:
-                shapes.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
-        except Exception as err:  # noqa: BLE001 - any unreadable file is reported the same way
-            raise HubFolderError(
-                f"{name} cannot be loaded ({err}); it is corrupt or truncated: re-save the drafter with "
-                "`save_for_hub(drafter, folder)` or download it again."
-            ) from err
-    return shapes
-
-
-def _check_shapes(folder: Path, shapes: dict) -> list[str]:
-    try:
-        config = ReTraceDrafterConfig.from_pretrained(folder)
-    except (ValueError, TypeError, OSError) as err:
-        return [f"config.json is not a valid ReTrace drafter config ({err}); fix the field or re-save the drafter."]
-    with torch.device("meta"):
-        expected = {k: list(v.shape) for k, v in ReTraceDrafterModel(config).state_dict().items()}
-    problems = [f"weight {k} is missing" for k in sorted(expected.keys() - shapes.keys())]
-    problems += [f"weight {k} is not part of this config's model" for k in sorted(shapes.keys() - expected.keys())]
-    for key in sorted(expected.keys() & shapes.keys()):
-        if shapes[key] != expected[key]:
-            problems.append(f"weight {key} has shape {shapes[key]} but config.json implies {expected[key]}")
-    if problems:
-        problems.append("config.json and the weights disagree: re-save both with `save_for_hub(drafter, folder)`.")
-    return problems
-
-
-def _check_code_files(folder: Path, config: dict) -> list[str]:
-    problems = [f"{name} is missing" for name in (*CODE_FILES, CUSTOM_GENERATE_FILE) if not (folder / name).is_file()]
-    auto_map = config.get("auto_map") or {}
-    for auto_class in ("AutoConfig", "AutoModel"):
-        if auto_class not in auto_map:
-            problems.append(f"config.json auto_map has no {auto_class} entry")
-        elif not (folder / (auto_map[auto_class].split(".")[0] + ".py")).is_file():
-            problems.append(f"auto_map {auto_class} points to {auto_map[auto_class]!r}, whose file is missing")
-    if problems:
-        problems.append("re-save with `save_for_hub(drafter, folder)`, which copies the code files and auto_map.")
-    return problems
-
-
-def _check_package_imports(folder: Path) -> list[str]:
-    problems = []
-    for path in sorted(folder.rglob("*.py")):
-        rel = path.relative_to(folder).as_posix()
-        try:
-            lines = imports_of_package(path.read_text(encoding="utf-8"), "hf_retrace")
-        except SyntaxError as err:
-            problems.append(f"{rel} is not valid Python ({err})")
-            continue
-        if lines:
-            problems.append(
-                f"{rel} imports hf_retrace (line {', '.join(map(str, lines))}), which Hub users do not have; Hub "
-                "files may import only torch, transformers and each other (`from .modeling_retrace import ...`)"
-            )
-    return problems
-
-
-def imports_of_package(source: str, package: str) -> list[int]:
-    """Line numbers where `source` imports `package` (`import`, `from ... import`, `import_module`/`__import__`)."""
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""] if node.level == 0 else []
-        elif isinstance(node, ast.Call) and _is_dynamic_import(node):
-            names = [node.args[0].value]
-        else:
-            continue
-        if any(name == package or name.startswith(package + ".") for name in names):
-            lines.append(node.lineno)
-    return sorted(lines)
-
-
-def _is_dynamic_import(node: ast.Call) -> bool:
-    func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-    first = node.args[0] if node.args else None
-    return func in ("import_module", "__import__") and isinstance(first, ast.Constant) and isinstance(first.value, str)
-
-
 def _num_parameters(folder: Path) -> int:
     return sum(math.prod(shape) for shape in weight_shapes(folder).values())
-
-
-def _check_repo_id(repo_id: str) -> None:
-    if "/" not in repo_id or not _is_repo_id(repo_id):
-        raise HubFolderError(
-            f"--repo-id must look like ORG/NAME, got {repo_id!r}: the recipe in custom_generate/generate.py loads "
-            "the drafter by this full id."
-        )
-
-
-def _is_repo_id(value: str) -> bool:
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------- upload
@@ -403,7 +158,7 @@ def publish(
     Returns:
         `(plan, commit_info)`: the [`upload_plan`] and `upload_folder`'s `CommitInfo` (`None` on a dry run).
     """
-    _check_repo_id(repo_id)
+    check_repo_id(repo_id)
     folder = Path(folder)
     validate_folder(folder)
     card_meta = {"base_model": base_model, "license": license, "datasets": datasets}
@@ -462,7 +217,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repo-id", required=True, help="target Hub repo, ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the files to upload; upload nothing")
-    parser.add_argument("--eval-json", help="evaluation JSON for the card's table (see hf_retrace.hub docstring)")
+    parser.add_argument("--eval-json", help="evaluation JSON for the card's table (schema: hf_retrace.model_card)")
     parser.add_argument("--base-model", help="Hub id of the target model (defaults to the folder card's)")
     parser.add_argument("--license", help="card license (defaults to the folder card's)")
     parser.add_argument("--dataset", action="append", dest="datasets", help="training dataset id (repeatable)")

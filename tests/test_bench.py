@@ -11,14 +11,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from hf_retrace import bench
-from hf_retrace.bench import (
-    ConditioningTimer,
-    MethodSpec,
-    first_difference,
-    parse_methods,
-    parse_prompt_sets,
-    torch_threads,
-)
+from hf_retrace.bench import MethodSpec, parse_methods, parse_prompt_sets, torch_threads
+from hf_retrace.bench_report import first_difference
+from hf_retrace.bench_timing import ConditioningTimer
 
 
 BLOCK = 4

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModel, PreTrainedTokenizerFast
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from hf_retrace import ReTraceDrafterModel, hub
+from hf_retrace import ReTraceDrafterModel, hub, hub_validation, model_card
 
 
 REPO_ID, TARGET_ID = "org/tiny-retrace", "org/tiny-target"
@@ -226,7 +226,7 @@ def test_card_usage_snippet_runs(published, tmp_path):
 
 def test_folder_layout(folder):
     names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    assert names == {"config.json", "model.safetensors", *hub.CODE_FILES, "custom_generate/generate.py",
+    assert names == {"config.json", "model.safetensors", *hub_validation.CODE_FILES, "custom_generate/generate.py",
                      "README.md", "eval_results.json"}  # fmt: skip
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_retrace.ReTraceDrafterConfig",
@@ -293,7 +293,7 @@ def test_recipe_template_substitution():
     namespace = {}
     exec(compile(source, "generate.py", "exec"), namespace)
     assert namespace["DRAFTER_SOURCE"] == "org/name" and callable(namespace["generate"])
-    assert hub.imports_of_package(source, "hf_retrace") == []
+    assert hub_validation.imports_of_package(source, "hf_retrace") == []
 
 
 # ---------------------------------------------------------------------------------------------------- the card
@@ -307,11 +307,11 @@ def table_rows(text: str) -> list[list[str]]:
 
 def test_card_metadata_and_eval_table(folder):
     card = ModelCard.load(folder / "README.md")
-    assert hub.check_card_metadata(card) == []
+    assert model_card.check_card_metadata(card) == []
     data = card.data.to_dict()
     assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
     assert data["base_model"] == TARGET_ID and data["license"] == "apache-2.0"
-    assert data["datasets"] == ["org/prompts"] and set(hub.CARD_TAGS) <= set(data["tags"])
+    assert data["datasets"] == ["org/prompts"] and set(model_card.CARD_TAGS) <= set(data["tags"])
     ModelCardData(**data)  # round-trips through huggingface_hub's own dataclass
     assert table_rows(card.text) == EXPECTED_ROWS
     assert "Setup: target = `tiny-qwen3`" in card.text
@@ -319,8 +319,8 @@ def test_card_metadata_and_eval_table(folder):
 
 
 def test_card_metadata_problems_are_reported(drafter):
-    card = hub.render_model_card(drafter.config, repo_id=REPO_ID, base_model="./local/target", license=None)
-    problems = " ".join(hub.check_card_metadata(card))
+    card = model_card.render_model_card(drafter.config, repo_id=REPO_ID, base_model="./local/target", license=None)
+    problems = " ".join(model_card.check_card_metadata(card))
     assert "base_model must be a Hub model id" in problems and "license is missing" in problems
 
 
@@ -329,7 +329,7 @@ def test_bad_eval_json_is_refused(payload, tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
     with pytest.raises(ValueError, match="Evaluation JSON|results|Cannot read"):
-        hub.load_eval_results(path)
+        model_card.load_eval_results(path)
 
 
 # ----------------------------------------------------------------------------------------------------- publish
@@ -440,7 +440,7 @@ def test_push_to_hub_uploads_code_card_and_recipe(route, drafter, monkeypatch, t
     plan, info = push(drafter, "org/pushed", base_model=TARGET_ID, private=True)
     (upload,) = fake.uploads
     assert set(upload["files"]) == {path for path, _ in plan}
-    assert {"README.md", "custom_generate/generate.py", *hub.CODE_FILES} <= set(upload["files"])
+    assert {"README.md", "custom_generate/generate.py", *hub_validation.CODE_FILES} <= set(upload["files"])
     assert 'DRAFTER_SOURCE = "org/pushed"' in upload["files"]["custom_generate/generate.py"].decode()
     assert fake.create_calls == [("org/pushed", {"private": True, "exist_ok": True})]
     assert info.commit_url.startswith("https://huggingface.co/org/pushed")
@@ -457,4 +457,4 @@ def test_push_to_hub_uploads_code_card_and_recipe(route, drafter, monkeypatch, t
     ],
 )
 def test_imports_of_package(source, lines):
-    assert hub.imports_of_package(source, "hf_retrace") == lines
+    assert hub_validation.imports_of_package(source, "hf_retrace") == lines
