@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
 #   experiments/smollm2.sh [data|dflash|phase2|bench|ship]...   (default: all, in order)
-# Phase 1 trains a DFlash drafter on the first data snapshot; phase 2 continues from it on the FULL pool (the same
+# Phase 1 trains a DFlash drafter on the first data snapshot; phase 2 continues from it on a larger snapshot (the same
 # extra data and the same number of steps for every arm): ReTrace corrected, the continued-DFlash control and the
 # overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
-PHASE1_STEPS=${PHASE1_STEPS:-120}
-PHASE2_STEPS=${PHASE2_STEPS:-40}
+PHASE1_STEPS=${PHASE1_STEPS:-150}
+PHASE2_STEPS=${PHASE2_STEPS:-60}
 STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench ship)
 
 data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
     --max-new-tokens 256 --batch-size 64 --chunk-size 128 --dtype float32 --num-threads 1 --output data_cache/smollm2
-  [ -d data_cache/phase1 ] || cp -r data_cache/smollm2/dataset data_cache/phase1
+  # The pool grows chunk by chunk (128 prompts, sources in turn); the run reported in results/ used the first two
+  # chunks (gsm_symbolic, codeio: 256 rows) for phase 1 and the first five (+ stdlib, open_ended, gsm_symbolic:
+  # 640 rows) for phase 2, which is what was on disk when each phase started.
+  $PY -c "from datasets import load_from_disk as L; d = L('data_cache/smollm2/dataset');
+d.select(range(256)).save_to_disk('data_cache/phase1'); d.select(range(640)).save_to_disk('data_cache/phase2')"
 }
 
 dflash() {
@@ -25,7 +29,7 @@ dflash() {
 
 phase2_arm() {  # name, then extra train.py flags
   local name=$1; shift
-  $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name data_cache/smollm2/dataset \
+  $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name data_cache/phase2 \
     --drafter_name_or_path runs/smollm2-dflash --max_steps "$PHASE2_STEPS" --save_steps 10 --output_dir "runs/smollm2-$name" "$@"
 }
 
@@ -38,11 +42,18 @@ phase2() {
   wait
 }
 
-bench() {
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 96 \
-    --prompt-sets gsm_symbolic:8,humaneval:8 \
+bench() {  # greedy (lossless-checked) bench and the rejected-suffix analysis side by side, one thread each
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
+    --prompt-sets gsm_symbolic:5,humaneval:5 \
     --methods ar,prompt_lookup,dflash=runs/smollm2-dflash,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace,gated=runs/smollm2-gated,overwrite=runs/smollm2-overwrite \
-    --output-dir results/smollm2
+    --output-dir results/smollm2 &
+  $PY -m hf_retrace.analyze --drafter runs/smollm2-dflash:off --prompt-sets gsm_symbolic:5,humaneval:5 \
+    --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
+  wait
+  # sampling at temperature 1: DFlash vs ReTrace (no lossless check; tau and speed)
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 --do-sample \
+    --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
+    --methods ar,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace --output-dir results/smollm2-sampling
 }
 
 ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
@@ -50,10 +61,13 @@ ship() {  # publishable folders (card, config, safetensors, code files) under mo
 import torch
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.hub import save_for_hub
-for run, name in [("runs/smollm2-retrace", "smollm2-135m-retrace"), ("runs/smollm2-dflash", "smollm2-135m-dflash")]:
+for run, name, mode in [("runs/smollm2-retrace", "smollm2-135m-retrace", "corrected"),
+                        ("runs/smollm2-dflash", "smollm2-135m-dflash", "off")]:
     drafter = ReTraceDrafterModel.from_pretrained(run, dtype=torch.bfloat16)
-    save_for_hub(drafter, f"model_cards/{name}", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-                 eval_results_json="results/smollm2/results.json")
+    drafter.set_retrace_mode(mode)
+    # repo id the folder is meant for (not uploaded from here: no Hub access); `hf-retrace publish` rewrites it
+    save_for_hub(drafter, f"model_cards/{name}", repo_id=f"hf-retrace/{name}",
+                 base_model="HuggingFaceTB/SmolLM2-135M-Instruct", eval_results_json="results/smollm2/results.json")
 PY
 }
 

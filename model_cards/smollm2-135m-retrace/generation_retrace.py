@@ -1,0 +1,292 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+#
+# Hub file: imports torch, transformers and `.modeling_retrace` only, so `trust_remote_code=True` loads it.
+"""ReTrace speculative decoding on top of transformers' in-tree DFlash candidate generator.
+
+Round r drafts the block `[a, d1 .. d_{B-1}]` at positions `p .. p+B-1`; the target accepts `d1..dn` and commits
+its correction `c` at `p+n+1`, the next anchor. ReTrace keeps the drafter states of slots `j = n+2 .. B-1`
+(`L = B-2-n` of them) and feeds them to the next round's mask slots `1 .. L` (same absolute positions), together
+with the target features of verification position `j-1`, the one that scored draft `d_j` (DESIGN §1.1).
+"""
+
+import functools
+import importlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+from transformers.generation.utils import GenerationMixin
+
+from .modeling_retrace import ReTraceConditioning
+
+
+SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max) as (major, minor)
+
+
+def build_rejected_trajectory(
+    draft_hidden_states: torch.Tensor, verification_features: torch.Tensor, num_matches: int
+) -> ReTraceConditioning | None:
+    """Aligns the rejected suffix of round r with the mask slots of round r+1.
+
+    Args:
+        draft_hidden_states (`torch.Tensor` of shape `(batch, B, hidden)`): drafter final states of round r, slot 0
+            being the anchor.
+        verification_features (`torch.Tensor` of shape `(batch, B, num_features)`): target features of the B
+            verification inputs `[a, d1 .. d_{B-1}]` (block position i = absolute position p+i).
+        num_matches (`int`): accepted drafts n, in `[0, B-1]`.
+    Returns:
+        [`ReTraceConditioning`] with `B` slots, or `None` when nothing is retained (`L = B-2-n <= 0`).
+
+    Worked example, B = 8, n = 2: c replaces d3 at p+3 and anchors round r+1. Retained slots j = 4..7 (L = 4) sit at
+    p+4..p+7, which are next slots 1..4. Their features come from verification positions j-1 = 3..6.
+    """
+    batch, block_size, _ = draft_hidden_states.shape
+    retained = block_size - 2 - num_matches
+    if retained <= 0:
+        return None
+    first = num_matches + 2  # first retained slot j
+    hidden = draft_hidden_states.new_zeros(draft_hidden_states.shape)
+    features = verification_features.new_zeros(verification_features.shape)
+    hidden[:, 1 : 1 + retained] = draft_hidden_states[:, first:block_size]
+    features[:, 1 : 1 + retained] = verification_features[:, first - 1 : block_size - 1]
+    slot_mask = torch.zeros(batch, block_size, dtype=torch.bool, device=draft_hidden_states.device)
+    slot_mask[:, 1 : 1 + retained] = True
+    return ReTraceConditioning(hidden_states=hidden, target_features=features, slot_mask=slot_mask)
+
+
+@dataclass
+class ReTraceGenerationStats:
+    """Per-generate bookkeeping. One entry per verification cycle of a drafted block (prefill excluded).
+
+    Attributes:
+        acceptance_lengths (`list[int]`): tokens committed per cycle, bonus/correction included (1..B).
+        retained_lengths (`list[int]`): `L` handed to the NEXT round after each cycle (0 = no conditioning).
+        num_conditioned_rounds (`int`): drafted rounds that received a rejected trajectory.
+        num_drafter_forwards (`int`): drafter forward passes.
+    """
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    retained_lengths: list[int] = field(default_factory=list)
+    num_conditioned_rounds: int = 0
+    num_drafter_forwards: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification cycle (DESIGN §4)."""
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    @property
+    def mean_retained_length(self) -> float:
+        """Mean `L` over the rounds that were conditioned."""
+        used = [x for x in self.retained_lengths if x > 0]
+        return sum(used) / max(len(used), 1)
+
+
+class _ConditionedDrafterCall:
+    """Stands in for the drafter inside the parent's `get_candidates`: adds the pending rejected trajectory to the
+    call and keeps the output states, so the in-tree drafting loop is reused unchanged."""
+
+    def __init__(self, drafter, generator: "ReTraceCandidateGenerator"):
+        self.drafter, self.generator = drafter, generator
+        self.config, self.device = drafter.config, drafter.device
+
+    def __call__(self, **kwargs):
+        gen = self.generator
+        outputs = self.drafter(**kwargs, rejected_trajectory=gen.pending_trajectory)
+        gen.stats.num_drafter_forwards += 1
+        gen.stats.num_conditioned_rounds += gen.pending_trajectory is not None
+        gen.last_draft_hidden_states = outputs.last_hidden_state  # [1, B, H]
+        return outputs
+
+
+class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
+    """DFlash candidate generator that conditions each block on the previous round's rejected suffix.
+
+    Per cycle it (1) reads `n` and the verification hidden states of ALL block positions from the outputs
+    `_assisted_decoding` hands over (plain DFlash crops the rejected ones away), (2) builds the aligned suffix with
+    [`build_rejected_trajectory`], (3) drafts through the parent with that conditioning. Verification is untouched.
+    """
+
+    def __init__(self, assistant_model, *args, **kwargs):
+        super().__init__(assistant_model, *args, **kwargs)
+        self.drafter = assistant_model
+        self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
+        self.uses_trajectory = assistant_model.config.retrace_mode != "off"
+        self.stats = ReTraceGenerationStats()
+        assistant_model.last_generation_stats = self.stats
+        self.pending_trajectory: ReTraceConditioning | None = None
+        self.last_draft_hidden_states: torch.Tensor | None = None
+        self._drafted = False
+
+    def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
+        self.pending_trajectory = None
+        if self._drafted and self.uses_trajectory:
+            self.pending_trajectory = build_rejected_trajectory(
+                self.last_draft_hidden_states, self._verification_features(model_outputs), int(n_last_matches)
+            )
+        candidate_ids, candidate_logits = super().get_candidates(
+            input_ids,
+            model_kwargs=model_kwargs,
+            model_outputs=model_outputs,
+            is_first_iteration=is_first_iteration,
+            n_last_matches=n_last_matches,
+            **kwargs,
+        )
+        self._drafted = candidate_ids.shape[1] > input_ids.shape[1]
+        return candidate_ids, candidate_logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self._drafted:  # a verification cycle of a drafted block (prefill and final no-draft steps excluded)
+            n = int(num_matches)
+            self.stats.acceptance_lengths.append(n + 1)
+            self.stats.retained_lengths.append(max(self.block_size - 2 - n, 0) if self.uses_trajectory else 0)
+
+    def _verification_features(self, model_outputs) -> torch.Tensor:
+        """`[1, B, len(ids) * H]`: target features of the last verification's B inputs `[a, d1 .. d_{B-1}]`."""
+        if model_outputs is None or model_outputs.hidden_states is None:
+            raise ValueError("ReTrace needs the target's hidden states from the verification pass; got none.")
+        feats = [model_outputs.hidden_states[i + 1][:, -self.block_size :] for i in self.target_layer_ids]
+        return torch.cat(feats, dim=-1).to(self.device)
+
+
+def validate_drafter_for_target(target, drafter) -> None:
+    """Raises `ValueError` with the fix when `drafter` was not built for `target` (sizes, vocabulary, depth)."""
+    tcfg, dcfg = target.config.get_text_config(), drafter.config
+    if dcfg.hidden_size != tcfg.hidden_size or dcfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(
+            f"Drafter (hidden_size={dcfg.hidden_size}, vocab_size={dcfg.vocab_size}) does not match the target "
+            f"(hidden_size={tcfg.hidden_size}, vocab_size={tcfg.vocab_size}); use a drafter built for this target, "
+            "e.g. `ReTraceDrafterModel.from_target(target)`."
+        )
+    if max(dcfg.target_layer_ids) >= tcfg.num_hidden_layers:
+        raise ValueError(
+            f"Drafter target_layer_ids {dcfg.target_layer_ids} must be < the target's num_hidden_layers "
+            f"({tcfg.num_hidden_layers}); this drafter was built for a deeper target."
+        )
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size != 1:
+        raise ValueError(
+            f"ReTrace speculative decoding supports batch size 1 only, got {batch_size}: each sequence accepts a "
+            "different number of drafts per round, so target and drafter caches would diverge (transformers' "
+            "assisted decoding has the same limit). Call `generate` once per prompt."
+        )
+
+
+def is_retrace_drafter(model) -> bool:
+    """True for ReTrace drafters, whether from this package or loaded with `trust_remote_code`."""
+    config = getattr(model, "config", None)
+    return config is not None and config.model_type == "retrace_drafter"
+
+
+def make_candidate_generator(target, drafter, input_ids, generation_config, logits_processor):
+    """Builds the ReTrace generator of `drafter`'s own code copy (package or remote code) for `target`."""
+    validate_drafter_for_target(target, drafter)
+    check_batch_size(input_ids.shape[0])
+    generator_cls = _generator_class_of(drafter)
+    return generator_cls(
+        assistant_model=drafter,
+        main_model_input_embeddings=target.get_input_embeddings(),
+        main_model_output_embeddings=target.get_output_embeddings(),
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+    )
+
+
+def _generator_class_of(drafter):
+    package = type(drafter).__module__.rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.generation_retrace").ReTraceCandidateGenerator
+
+
+def install_generate_hook() -> None:
+    """Makes `target.generate(..., assistant_model=retrace_drafter)` use [`ReTraceCandidateGenerator`].
+
+    transformers 5.24 has no public hook for an assistant to supply its candidate generator. This wraps, once, the
+    two `GenerationMixin` methods that decide it: `_validate_generation_mode` (so a mismatched drafter gets our
+    error, not the universal-assisted-decoding one) and `_get_candidate_generator` (the dispatch). Idempotent across
+    the package and remote-code copies (the marker lives on the wrapper); every other assistant falls through.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, "_retrace_hook", False):
+        return
+    installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
+    if not SUPPORTED_TRANSFORMERS[0] <= installed < SUPPORTED_TRANSFORMERS[1]:
+        raise ImportError(
+            f"hf_retrace's generate hook supports transformers >=5.24,<6; found {transformers.__version__}. "
+            "Install a supported version (`pip install 'transformers>=5.24,<6'`)."
+        )
+    GenerationMixin._validate_generation_mode = _wrap_validation(GenerationMixin._validate_generation_mode)
+    GenerationMixin._get_candidate_generator = _wrap_dispatch(GenerationMixin._get_candidate_generator)
+
+
+def _wrap_validation(original):
+    @functools.wraps(original)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if is_retrace_drafter(generation_mode_kwargs.get("assistant_model")):
+            validate_drafter_for_target(self, generation_mode_kwargs["assistant_model"])
+        return original(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    return _validate_generation_mode
+
+
+def _wrap_dispatch(original):
+    @functools.wraps(original)
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, **kwargs):  # fmt: skip
+        if is_retrace_drafter(assistant_model) and generation_config.speculation_type in (None, "retrace"):
+            return make_candidate_generator(self, assistant_model, input_ids, generation_config, logits_processor)
+        return original(
+            self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+            assistant_model=assistant_model, **kwargs,
+        )  # fmt: skip
+
+    _get_candidate_generator._retrace_hook = True
+    return _get_candidate_generator
+
+
+class _TargetWithCandidateGenerator:
+    """A view of the target whose `_get_candidate_generator` returns a fixed generator; everything else is the
+    target's own. Lets [`retrace_generate`] reuse `_assisted_decoding` without patching any class."""
+
+    def __init__(self, target, candidate_generator):
+        self._target, self._candidate_generator = target, candidate_generator
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target(*args, **kwargs)
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        return self._candidate_generator
+
+
+def retrace_generate(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, drafter=None,
+    **model_kwargs,
+):  # fmt: skip
+    """`custom_generate` callable: `target.generate(**inputs, custom_generate=retrace_generate, drafter=drafter)`.
+
+    Runs transformers' assisted-decoding loop with the ReTrace generator and patches nothing.
+    (transformers does not forward `streamer` to custom callables; use `assistant_model=` for streaming.)
+    """
+    if drafter is None:
+        raise ValueError("retrace_generate needs `drafter=`: a ReTrace drafter built for this target.")
+    generator = make_candidate_generator(model, drafter, input_ids, generation_config, logits_processor)
+    view = _TargetWithCandidateGenerator(model, generator)
+    return GenerationMixin._assisted_decoding(
+        view, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        generation_config=generation_config, synced_gpus=synced_gpus, **model_kwargs,
+    )  # fmt: skip
+
+
+__all__ = [
+    "ReTraceCandidateGenerator",
+    "ReTraceGenerationStats",
+    "build_rejected_trajectory",
+    "install_generate_hook",
+    "retrace_generate",
+    "validate_drafter_for_target",
+]

@@ -1,0 +1,419 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+#
+# Hub file: imports torch, transformers and `.configuration_retrace` only, so `trust_remote_code=True` loads it.
+"""The ReTrace drafter: a DFlash block drafter (weight-compatible with z-lab DFlash checkpoints) plus the
+rejected-trajectory conditioning modules of ReTrace (arXiv 2608.29748, Sec. 3)."""
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.utils import cached_file
+
+from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
+
+
+@dataclass
+class ReTraceConditioning:
+    """The previous round's rejected suffix, aligned slot by slot with the next draft block.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch_size, num_slots, hidden_size)`):
+            drafter final (post-norm) hidden states placed on the slots they condition; zeros elsewhere.
+        target_features (`torch.Tensor` of shape `(batch_size, num_slots, len(target_layer_ids) * hidden_size)`):
+            target verification features of the position that scored each retained draft; zeros elsewhere.
+        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`): which slots are conditioned.
+    """
+
+    hidden_states: torch.Tensor
+    target_features: torch.Tensor
+    slot_mask: torch.Tensor
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """RoPE where keys span `[context ; block]` and queries only the block, so queries take the last `q_len` angles.
+
+    Args:
+        q (`torch.Tensor` of shape `(batch, heads, q_len, head_dim)`), k (`(batch, kv_heads, kv_len, head_dim)`),
+        cos/sin (`torch.Tensor` of shape `(batch, kv_len, head_dim)`).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = q.shape[-2]
+    q_embed = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed, k_embed
+
+
+class ReTraceDrafterAttention(nn.Module):
+    """Non-causal attention: queries from the block rows, keys/values from `[context ; block rows]`, QK-norm."""
+
+    def __init__(self, config: ReTraceDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch, q_len, _ = hidden_states.shape
+        kv_states = torch.cat([context_hidden_states, hidden_states], dim=1)  # [b, C+Q, H]
+        kv_len = kv_states.shape[1]
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(kv_states).view(batch, kv_len, -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_states).view(batch, kv_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(attn_output.reshape(batch, q_len, -1).contiguous())
+
+
+class ReTraceDrafterDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm Qwen3 decoder layer whose attention also reads the (already projected) target context."""
+
+    def __init__(self, config: ReTraceDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = ReTraceDrafterAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context_hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), context_hidden_states, position_embeddings, attention_mask, cache, **kwargs
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class ReTraceTrajectoryEncoder(nn.Module):
+    """Turns retained rejected states into an additive input for the mask slots (paper Sec. 3, DESIGN §1.2).
+
+        t_j  = ctx_proj(target_features_j)            # the drafter's own fc + hidden_norm
+        h~_j = h_j + beta * W_c([h_j ; t_j])          # target-aware correction (mode `corrected` only)
+        e'_j = e_j + g * W_v(h~_j)                    # gated residual; W_v = 0 at init, so e' = e
+
+    `beta` is a plain float (not a buffer, so loading never leaves it uninitialised): 1 at inference, warmed up
+    linearly from 0 by the trainer.
+    """
+
+    def __init__(self, config: ReTraceDrafterConfig):
+        super().__init__()
+        self.config = config  # the mode is read at call time, so `set_retrace_mode` takes effect everywhere
+        self.correction = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # W_c
+        self.value_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)  # W_v
+        self.gate = nn.Parameter(torch.full((config.hidden_size,), float(config.retrace_gate_init)))  # g
+        self.beta = 1.0
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, states: torch.Tensor, target_context: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Runs on the conditioned slots only (`M` rows gathered by the model), so the cost scales with `L`, not `B`.
+
+        Args:
+            inputs_embeds (`torch.Tensor` of shape `(M, hidden)`): mask-slot input embeddings `e_j`.
+            states (`torch.Tensor` of shape `(M, hidden)`): retained drafter states `h_j`.
+            target_context (`torch.Tensor` of shape `(M, hidden)`, *optional*): projected target features `t_j`;
+                needed for mode `corrected`.
+        Returns: `torch.Tensor` of shape `(M, hidden)`, the new input embeddings `e'_j`.
+        """
+        states = states.to(inputs_embeds.dtype)
+        mode = self.config.retrace_mode
+        if mode == "overwrite":
+            return states
+        if mode == "corrected":
+            states = states + self.beta * self.correction(torch.cat([states, target_context], dim=-1))
+        return inputs_embeds + self.gate * self.value_proj(states)
+
+
+class ReTraceDrafterPreTrainedModel(PreTrainedModel):
+    config: ReTraceDrafterConfig
+    base_model_prefix = "model"
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ReTraceDrafterDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": ReTraceDrafterDecoderLayer}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, ReTraceTrajectoryEncoder):
+            # W_v = 0 makes a fresh ReTrace drafter equal to its DFlash backbone; the gate stays non-zero so that
+            # W_v receives a gradient (with both at zero neither would).
+            torch.nn.init.zeros_(module.value_proj.weight)
+            torch.nn.init.constant_(module.gate, self.config.retrace_gate_init)
+
+
+class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
+    """DFlash drafter + ReTrace conditioning. State-dict keys of the backbone match public DFlash checkpoints:
+    `fc`, `hidden_norm`, `norm`, `layers.{i}.*`; the ReTrace modules live under `retrace.*`.
+
+    Example:
+
+    ```python
+    >>> drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=8)
+    >>> out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=64)
+    >>> drafter.last_generation_stats.tau
+    ```
+    """
+
+    def __init__(self, config: ReTraceDrafterConfig):
+        super().__init__(config)
+        ctx_dim = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(ctx_dim, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            [ReTraceDrafterDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.retrace = ReTraceTrajectoryEncoder(config)
+        self.last_generation_stats = None
+        self.post_init()
+        _install_generate_hook()
+
+    # Set by `import hf_retrace` to `hf_retrace.hub.push_to_hub` (card + custom_generate/ recipe). Remote-code copies
+    # loaded without the package keep transformers' own push_to_hub, which still ships the code files via auto_map.
+    hub_publisher = None
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Publishes the drafter; with hf_retrace installed the upload includes the model card and recipe."""
+        publisher = type(self).hub_publisher
+        return super().push_to_hub(repo_id, **kwargs) if publisher is None else publisher(self, repo_id, **kwargs)
+
+    def set_retrace_mode(self, mode: str) -> None:
+        """Switches the conditioning mode (`off | overwrite | gated | corrected`) of this drafter in place."""
+        if mode not in RETRACE_MODES:
+            raise ValueError(f"retrace_mode must be one of {RETRACE_MODES}, got {mode!r}")
+        self.config.retrace_mode = mode
+
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """`[b, T, len(target_layer_ids) * H]` concatenated target features -> `[b, T, H]` drafter context."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        rejected_trajectory: ReTraceConditioning | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            noise_embeds (`torch.Tensor` of shape `(batch, Q, hidden)`): target embeddings of the block inputs
+                (anchor then mask tokens); in training, several blocks concatenated.
+            context_hidden_states (`torch.Tensor` of shape `(batch, C, len(target_layer_ids) * hidden)`): target
+                features of context positions not yet in `cache`.
+            attention_mask (`torch.Tensor`, *optional*): 2D padding mask of shape `(batch, past + C + Q)`, or a 4D
+                mask of shape `(batch, 1, Q, C + Q)` (bool: True = attend), as the training block mask.
+            position_ids (`torch.LongTensor` of shape `(batch, C + Q)`, *optional*): positions of context then block.
+            cache (`Cache`, *optional*): the `DFlashCache` the in-tree generator passes.
+            rejected_trajectory ([`ReTraceConditioning`], *optional*): previous round's retained suffix, aligned
+                with `noise_embeds`. Ignored when `config.retrace_mode == "off"`.
+        Returns:
+            [`BaseModelOutputWithPast`] whose `last_hidden_state` `(batch, Q, hidden)` is post-norm: the states the
+            target's lm head turns into draft logits, and the ones ReTrace retains.
+        """
+        context = self.project_context(context_hidden_states)
+        noise_embeds = noise_embeds.to(context.dtype)
+        if rejected_trajectory is not None and self.config.retrace_mode != "off":
+            noise_embeds = self.apply_rejected_trajectory(noise_embeds, rejected_trajectory)
+
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            total = context.shape[1] + noise_embeds.shape[1]
+            position_ids = torch.arange(past, past + total, device=noise_embeds.device).unsqueeze(0)
+        attention_mask = self._prepare_mask(noise_embeds, attention_mask, cache)
+        position_embeddings = self.rotary_emb(noise_embeds, position_ids)
+
+        hidden_states = noise_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, position_embeddings, attention_mask, cache, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    def apply_rejected_trajectory(self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning) -> torch.Tensor:
+        """`noise_embeds` `(batch, Q, hidden)` with the conditioned slots replaced by `e'_j`; the anchor and the
+        unconditioned slots are returned untouched."""
+        slot_mask = conditioning.slot_mask  # [b, Q]
+        target_context = None
+        if self.config.retrace_mode == "corrected":
+            target_context = self.project_context(conditioning.target_features[slot_mask])  # [M, H]
+        rows = self.retrace(noise_embeds[slot_mask], conditioning.hidden_states[slot_mask], target_context)
+        return noise_embeds.index_put((slot_mask,), rows)
+
+    def _prepare_mask(self, noise_embeds, attention_mask, cache):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if attention_mask.dtype == torch.bool:  # additive form works for eager and sdpa alike
+                zero = torch.zeros((), dtype=noise_embeds.dtype, device=noise_embeds.device)
+                attention_mask = torch.where(attention_mask, zero, torch.finfo(noise_embeds.dtype).min)
+            return attention_mask
+        # Block rows see every context position and each other: bidirectional, padding aside.
+        return create_bidirectional_mask(
+            config=self.config, inputs_embeds=noise_embeds, attention_mask=attention_mask, cache=cache
+        )
+
+    @classmethod
+    def from_target(cls, target, **overrides) -> "ReTraceDrafterModel":
+        """A fresh drafter sized for `target` (a model or its config).
+
+        Defaults: hidden/intermediate/head sizes and `vocab_size` of the target; `num_hidden_layers=5`;
+        `target_layer_ids` by the DFlash rule (one id per drafter layer, evenly spaced from layer 1 to `L-3`);
+        `mask_token_id = vocab_size - 1`, the last vocabulary id (pass `mask_token_id=` to pick another token).
+        """
+        config = ReTraceDrafterConfig(**{**drafter_config_kwargs_for_target(target, overrides), **overrides})
+        return cls(config).to(dtype=_dtype_of(target))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Loads a ReTrace drafter folder/repo, or a z-lab DFlash checkpoint (ReTrace modules then start fresh)."""
+        if kwargs.get("config") is None:
+            raw = _read_raw_config(pretrained_model_name_or_path, kwargs)
+            if raw is not None and "dflash_config" in raw:
+                kwargs["config"] = ReTraceDrafterConfig(**dflash_config_to_retrace_kwargs(raw))
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - re-raised with what is wrong and how to fix it
+            if "deserializ" in str(err) or "header" in str(err).lower() or "incomplete" in str(err).lower():
+                raise OSError(
+                    f"The weights file in {pretrained_model_name_or_path!r} is corrupt or truncated ({err}). "
+                    "Re-save the drafter with `save_pretrained` or download it again."
+                ) from err
+            raise
+
+
+def drafter_config_kwargs_for_target(target, overrides: dict) -> dict:
+    """ReTraceDrafterConfig kwargs derived from a target model or config (see `ReTraceDrafterModel.from_target`)."""
+    tcfg = (target.config if isinstance(target, nn.Module) else target).get_text_config()
+    num_layers = overrides.get("num_hidden_layers", 5)
+    heads = tcfg.num_attention_heads
+    return {
+        "vocab_size": tcfg.vocab_size,
+        "hidden_size": tcfg.hidden_size,
+        "intermediate_size": tcfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": tcfg.num_key_value_heads or heads,
+        "head_dim": getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+        "rms_norm_eps": getattr(tcfg, "rms_norm_eps", 1e-6),
+        "num_target_layers": tcfg.num_hidden_layers,
+        "target_layer_ids": default_target_layer_ids(tcfg.num_hidden_layers, num_layers),
+        "mask_token_id": tcfg.vocab_size - 1,
+    }
+
+
+_DFLASH_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "block_size")
+
+
+def dflash_config_to_retrace_kwargs(raw: dict) -> dict:
+    """Maps a z-lab DFlash `config.json` (`architectures: [DFlashDraftModel]`, `dflash_config`) to our config."""
+    missing = [k for k in _DFLASH_REQUIRED if k not in raw]
+    missing += [f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if k not in raw["dflash_config"]]
+    if missing:
+        raise ValueError(f"DFlash checkpoint config is missing required fields {missing}; cannot convert it.")
+    keep = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+        "attention_bias", "block_size", "num_target_layers", "rope_parameters",
+    )  # fmt: skip
+    kwargs = {k: raw[k] for k in keep if raw.get(k) is not None}
+    if "rope_parameters" not in kwargs and "rope_theta" in raw:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
+    kwargs.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    kwargs["mask_token_id"] = raw["dflash_config"]["mask_token_id"]
+    kwargs["target_layer_ids"] = list(raw["dflash_config"]["target_layer_ids"])
+    kwargs.setdefault("num_target_layers", max(kwargs["target_layer_ids"]) + 4)
+    return kwargs
+
+
+def _read_raw_config(path, kwargs) -> dict | None:
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    config_file = os.path.join(path, "config.json") if os.path.isdir(str(path)) else None
+    if config_file is None:
+        config_file = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    if config_file is None or not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def _dtype_of(target) -> torch.dtype:
+    if isinstance(target, nn.Module):
+        return next(target.parameters()).dtype
+    return torch.float32
+
+
+def _install_generate_hook():
+    # Local import: the generation file imports this one for `ReTraceConditioning`.
+    from .generation_retrace import install_generate_hook
+
+    install_generate_hook()
+
+
+__all__ = [
+    "ReTraceConditioning",
+    "ReTraceDrafterModel",
+    "ReTraceDrafterPreTrainedModel",
+    "ReTraceTrajectoryEncoder",
+    "drafter_config_kwargs_for_target",
+    "dflash_config_to_retrace_kwargs",
+]
+
+
+# `save_pretrained` copies the Hub files (this one and its relative imports) and writes `auto_map`, so a saved
+# drafter loads with `trust_remote_code=True` without hf_retrace installed.
+ReTraceDrafterConfig.register_for_auto_class()
+ReTraceDrafterModel.register_for_auto_class("AutoModel")
