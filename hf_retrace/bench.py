@@ -36,7 +36,6 @@ This module is the CLI, the parsing and the interleaved run; the lossless check 
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import sys
@@ -171,10 +170,8 @@ def load_target(target: str, dtype: torch.dtype, device: str):
 def load_drafter(folder: str, retrace_mode: str | None, dtype: torch.dtype, device) -> ReTraceDrafterModel:
     """Loads a drafter folder, optionally overriding its `retrace_mode` (same weights)."""
     drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=dtype)
-    if retrace_mode is not None and retrace_mode != drafter.config.retrace_mode:
-        config = copy.deepcopy(drafter.config)
-        config.retrace_mode = retrace_mode
-        drafter = ReTraceDrafterModel.from_pretrained(folder, config=config, dtype=dtype)
+    if retrace_mode is not None:
+        drafter.set_retrace_mode(retrace_mode)
     return drafter.to(device).eval()
 
 
