@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
-#   experiments/smollm2.sh [data|dflash|phase2|bench|ship]...   (default: all, in order)
+#   experiments/smollm2.sh [data|dflash|phase2|bench|fixes|ship]...   (default: all, in order)
 # Phase 1 trains a DFlash drafter on the first data snapshot; phase 2 continues from it on a larger snapshot (the same
 # extra data and the same number of steps for every arm): ReTrace corrected, the continued-DFlash control and the
 # overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out prompts.
@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
 PHASE1_STEPS=${PHASE1_STEPS:-150}
 PHASE2_STEPS=${PHASE2_STEPS:-60}
-STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench ship)
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench fixes ship)
 
 data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
@@ -54,6 +54,14 @@ bench() {  # greedy (lossless-checked) bench and the rejected-suffix analysis si
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 --do-sample \
     --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
     --methods ar,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace --output-dir results/smollm2-sampling
+}
+
+fixes() {  # attempted fix: ReTrace with teacher-forced verification features (same data/steps), benched vs the arms
+  phase2_arm retrace-tf --training_mode retrace --retrace_mode corrected --verification_features teacher_forced
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
+    --prompt-sets gsm_symbolic:5,humaneval:5 \
+    --methods ar,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace,retrace_tf=runs/smollm2-retrace-tf \
+    --output-dir results/smollm2-fixes
 }
 
 ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
