@@ -111,7 +111,6 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
 
     def __init__(self, assistant_model, *args, **kwargs):
         super().__init__(assistant_model, *args, **kwargs)
-        self.drafter = assistant_model
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
