@@ -12,6 +12,7 @@ from .training_forward import VERIFICATION_FEATURES
 
 TRAINING_MODES = ("dflash", "retrace", "retrace_modules_only")
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFTER_INITS = ("random", "target")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class ReTraceConfig(TrainingArguments):
     drafter_target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers read by a fresh drafter (DFlash rule if unset)."}
     )
+    drafter_init: str = field(
+        default="random",
+        metadata={"help": "Fresh-drafter init: 'random', or 'target' (copy the target's top layers and final norm)."},
+    )
     drafter_mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token of a fresh drafter (last vocabulary id if unset)."}
     )
@@ -139,6 +144,7 @@ class ReTraceConfig(TrainingArguments):
             "training_mode": (self.training_mode, TRAINING_MODES),
             "verification_features": (self.verification_features, VERIFICATION_FEATURES),
             "target_dtype": (self.target_dtype, TARGET_DTYPES),
+            "drafter_init": (self.drafter_init, DRAFTER_INITS),
         }
         if self.retrace_mode is not None:
             choices["retrace_mode"] = (self.retrace_mode, RETRACE_MODES)

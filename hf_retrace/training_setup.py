@@ -5,6 +5,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from .drafter_init import init_drafter_from_target
 from .modeling_retrace import ReTraceDrafterModel
 from .trainer_config import ReTraceConfig
 
@@ -52,7 +53,8 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
 
     `args.drafter_name_or_path` (or `model_name_or_path`) loads a ReTrace folder or a z-lab DFlash checkpoint (ReTrace
     modules then start with `W_v = 0`); otherwise a fresh drafter is sized from `target` with `drafter_num_layers`,
-    `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset).
+    `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset), then warm-started from the target if
+    `args.drafter_init == "target"` ([`init_drafter_from_target`]).
     """
     path = args.drafter_name_or_path or model_name_or_path
     if path is not None:
@@ -65,6 +67,8 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
             overrides["mask_token_id"] = args.drafter_mask_token_id
         torch.manual_seed(args.seed)
         drafter = ReTraceDrafterModel.from_target(target, **overrides)
+        if args.drafter_init == "target":
+            init_drafter_from_target(drafter, target)
     return drafter.to(torch.float32)
 
 
