@@ -99,3 +99,30 @@ def test_streamer_and_logits_processor_are_honoured(tiny_target, tiny_drafter):
     assert got.tolist() == expected.tolist()
     assert streamer.tokens == got[0].tolist()  # prompt first, then every committed token once
     torch.testing.assert_close(got, expected)
+
+
+def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
+    """`draft_logits_dtype="bfloat16"`: the generator scores drafts with a cached bf16 copy of the lm head (fp32
+    logits out, so sampler and acceptance test read the same q; see test_sampling.py); greedy output is still the
+    target's."""
+    from hf_retrace.generation_retrace import DraftLMHead, draft_lm_head
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=BLOCK, mode="corrected")
+    drafter.config.draft_logits_dtype = "bfloat16"
+    head = target.get_output_embeddings()
+    draft_head = draft_lm_head(head, "bfloat16")
+    assert isinstance(draft_head, DraftLMHead) and draft_head.weight.dtype == torch.bfloat16
+    assert draft_lm_head(head, "bfloat16") is draft_head  # cached per lm head
+    states = torch.randn(1, 3, head.weight.shape[1])
+    logits = draft_head(states)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, head(states.bfloat16().float()), rtol=2e-2, atol=2e-2)
+    assert draft_lm_head(head, None) is head and draft_lm_head(head, "float32") is head
+    for i, (length, max_new) in enumerate(CASES[:6]):
+        prompt = random_prompt(length, seed=i)
+        expected = _greedy(target, prompt, max_new_tokens=max_new)
+        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+        assert got.tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="draft_logits_dtype must be one of"):
+        type(drafter.config)(**{**drafter.config.to_dict(), "draft_logits_dtype": "int8"})

@@ -3,6 +3,7 @@ the drafter's logits). Exact target marginals on a vocabulary of 8 vs empirical 
 
 import itertools
 
+import pytest
 import torch
 from transformers.generation import candidate_generator as cg
 
@@ -30,11 +31,13 @@ def _tv(p, q):
     return 0.5 * (p - q).abs().sum().item()
 
 
-def test_speculative_sampling_keeps_target_distribution(monkeypatch):
+@pytest.mark.parametrize("draft_logits_dtype", [None, "bfloat16"])  # q from the target head, or its bf16 copy
+def test_speculative_sampling_keeps_target_distribution(monkeypatch, draft_logits_dtype):
     target = make_target("qwen3", restricted=False, vocab_size=VOCAB, seed=4)
     with torch.no_grad():  # peaked distributions, so target and drafter clearly differ
         target.get_output_embeddings().weight.mul_(8.0)
     drafter = make_drafter(target, block_size=4, mode="corrected")
+    drafter.config.draft_logits_dtype = draft_logits_dtype
     exact2, exact3 = _exact_marginals(target)
 
     drafts = []
