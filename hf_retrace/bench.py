@@ -167,20 +167,26 @@ def load_target(target: str, dtype: torch.dtype, device: str):
     return model.to(device), tokenizer
 
 
-def load_drafter(folder: str, retrace_mode: str | None, dtype: torch.dtype, device) -> ReTraceDrafterModel:
-    """Loads a drafter folder, optionally overriding its `retrace_mode` (same weights)."""
+def load_drafter(
+    folder: str, retrace_mode: str | None, dtype: torch.dtype, device, draft_logits_dtype: str | None = None
+) -> ReTraceDrafterModel:
+    """Loads a drafter folder, optionally overriding its `retrace_mode` and `draft_logits_dtype` (same weights)."""
     drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=dtype)
     if retrace_mode is not None:
         drafter.set_retrace_mode(retrace_mode)
+    if draft_logits_dtype is not None:
+        drafter.config.draft_logits_dtype = None if draft_logits_dtype == "target" else draft_logits_dtype
     return drafter.to(device).eval()
 
 
 class Method:
     """A loaded `MethodSpec`: what to pass to `generate`, and how to read its cycles."""
 
-    def __init__(self, spec: MethodSpec, dtype: torch.dtype, device):
+    def __init__(self, spec: MethodSpec, dtype: torch.dtype, device, draft_logits_dtype: str | None = None):
         self.spec, self.name = spec, spec.name
-        self.drafter = load_drafter(spec.folder, spec.retrace_mode, dtype, device) if spec.kind == "drafter" else None
+        self.drafter = None
+        if spec.kind == "drafter":
+            self.drafter = load_drafter(spec.folder, spec.retrace_mode, dtype, device, draft_logits_dtype)
 
     @property
     def block_size(self) -> int:
@@ -266,6 +272,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--do-sample", action="store_true", help="sampling: no lossless check, tau and speed only")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=42, help="sampling seed (prompt k reseeds with seed + k)")
+    parser.add_argument(
+        "--draft-logits-dtype", choices=["target", "bfloat16", "float16", "float32"], default=None,
+        help="set every drafter's draft_logits_dtype (`target`: the target's own lm head); unset keeps each config's",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (1 avoids oversubscription)")
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--no-progress", action="store_true")
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_target(args.target, dtype, args.device)
-    methods = [Method(spec, dtype, target.device) for spec in parse_methods(args.methods)]
+    methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in parse_methods(args.methods)]
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip
     generate_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -312,6 +322,7 @@ def _run(args: argparse.Namespace) -> int:
         "num_threads": torch.get_num_threads(),
         "decoding": f"sampling (temperature={args.temperature}, seed={args.seed})" if args.do_sample else "greedy",
         "max_new_tokens": args.max_new_tokens,
+        "draft_logits_dtype": args.draft_logits_dtype,
         "methods": [asdict(m.spec) for m in methods],
         "prompt_sets": args.prompt_sets,
         "prompt_seed": args.prompt_seed,

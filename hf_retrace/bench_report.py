@@ -172,7 +172,9 @@ def render_markdown(rows: list[dict], run_info: dict, failures: list[LosslessFai
         (
             f"target `{run_info['target']}` ({run_info['dtype']}, {run_info['device']}, "
             f"{run_info['num_threads']} threads), {run_info['decoding']}, "
-            f"max_new_tokens={run_info['max_new_tokens']}, methods interleaved per prompt."
+            f"max_new_tokens={run_info['max_new_tokens']}, "
+            f"draft logits {run_info.get('draft_logits_dtype') or 'as each drafter config says'}, "
+            "methods interleaved per prompt."
         ),
         "",
         f"{TAU_NOTE}. Speedup = tokens/s over `ar` tokens/s on the same prompts in the same run.",

@@ -69,9 +69,16 @@ def bench_run(assets):
     out = assets / "out"
     argv = ["--target", str(assets / "target"), "--dtype", "fp32", "--methods", _methods(assets), "--prompt-sets",
             f"{assets / 'ids.jsonl'}:3,{assets / 'text.jsonl'}", "--max-new-tokens", str(MAX_NEW),
-            "--output-dir", str(out), "--no-progress", "--num-threads", "1"]  # fmt: skip
+            "--output-dir", str(out), "--no-progress", "--num-threads", "1",
+            "--draft-logits-dtype", "bfloat16"]  # fmt: skip
     code = bench.main(argv)
     return code, out, json.loads((out / "results.json").read_text())
+
+
+def test_draft_logits_dtype_override(assets):
+    folder = str(assets / "drafter")
+    assert bench.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").config.draft_logits_dtype == "bfloat16"
+    assert bench.load_drafter(folder, None, torch.float32, "cpu", "target").config.draft_logits_dtype is None
 
 
 def test_parse_methods():
@@ -123,6 +130,7 @@ def test_outputs_written(bench_run):
         assert REQUIRED_KEYS <= set(row)
         assert row["lossless"] is True
         assert row["tokens_per_s"] > 0 and row["speedup"] > 0
+    assert payload["run"]["draft_logits_dtype"] == "bfloat16"  # every drafter scored drafts in bf16, still lossless
     assert "pooled over cycles" in (out / "results.md").read_text()
     assert "pooled over cycles" in payload["tau_definition"]
     for name in ("tau.png", "acceptance_histograms.png"):
