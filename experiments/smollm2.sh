@@ -1,36 +1,37 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
 #   experiments/smollm2.sh [data|dflash|phase2|bench|fixes|ship]...   (default: all, in order)
-# Phase 1 trains a DFlash drafter on the first data snapshot; phase 2 continues from it on a larger snapshot (the same
-# extra data and the same number of steps for every arm): ReTrace corrected, the continued-DFlash control and the
-# overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out prompts.
+# Phase 1 trains a DFlash drafter (warm-started from the target's top layers) on the 640-response pool; phase 2
+# continues from it, every arm on the same pool for the same number of steps: ReTrace corrected, the continued-DFlash
+# control and the overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out
+# prompts, drafts scored with a bf16 copy of the lm head (verification stays fp32, so output is exactly the target's).
+# Session 1's run (random init, 150 + 60 steps) is kept under results/session1/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
-PHASE1_STEPS=${PHASE1_STEPS:-150}
-PHASE2_STEPS=${PHASE2_STEPS:-60}
+PHASE1_STEPS=${PHASE1_STEPS:-600}
+PHASE2_STEPS=${PHASE2_STEPS:-150}
+RUNS=${RUNS:-runs/v2}
 STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench fixes ship)
 
 data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
     --max-new-tokens 256 --batch-size 64 --chunk-size 128 --dtype float32 --num-threads 1 --output data_cache/smollm2
-  # The pool grows chunk by chunk (128 prompts, sources in turn); the run reported in results/ used the first two
-  # chunks (gsm_symbolic, codeio: 256 rows) for phase 1 and the first five (+ stdlib, open_ended, gsm_symbolic:
-  # 640 rows) for phase 2, which is what was on disk when each phase started.
-  $PY -c "from datasets import load_from_disk as L; d = L('data_cache/smollm2/dataset');
-d.select(range(256)).save_to_disk('data_cache/phase1'); d.select(range(640)).save_to_disk('data_cache/phase2')"
+  # The pool grows chunk by chunk (128 prompts, sources in turn: gsm_symbolic, codeio, stdlib, open_ended, ...); the
+  # reported run uses the first five chunks (640 rows, ~119K response tokens), what was on disk when training began.
+  $PY -c "from datasets import load_from_disk as L; L('data_cache/smollm2/dataset').select(range(640)).save_to_disk('data_cache/phase2')"
 }
 
-dflash() {
-  $PY training/train.py --config training/recipes/smollm2-135m-dflash.yaml --dataset_name data_cache/phase1 \
-    --max_steps "$PHASE1_STEPS" --save_steps 10 --output_dir runs/smollm2-dflash
+dflash() {  # alone on the machine: 2 threads (~4-5 s/step)
+  OMP_NUM_THREADS=2 $PY training/train.py --config training/recipes/smollm2-135m-dflash.yaml \
+    --dataset_name data_cache/phase2 --max_steps "$PHASE1_STEPS" --save_steps 25 --output_dir "$RUNS/dflash"
 }
 
 phase2_arm() {  # name, then extra train.py flags
   local name=$1; shift
   $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name data_cache/phase2 \
-    --drafter_name_or_path runs/smollm2-dflash --max_steps "$PHASE2_STEPS" --save_steps 10 --output_dir "runs/smollm2-$name" "$@"
+    --drafter_name_or_path "$RUNS/dflash" --max_steps "$PHASE2_STEPS" --save_steps 25 --output_dir "$RUNS/$name" "$@"
 }
 
 phase2() {
@@ -44,35 +45,38 @@ phase2() {
 
 bench() {  # greedy (lossless-checked) bench and the rejected-suffix analysis side by side, one thread each
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
-    --prompt-sets gsm_symbolic:5,humaneval:5 \
-    --methods ar,prompt_lookup,dflash=runs/smollm2-dflash,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace,gated=runs/smollm2-gated,overwrite=runs/smollm2-overwrite \
+    --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:8,humaneval:8 \
+    --methods ar,prompt_lookup,dflash="$RUNS/dflash",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",overwrite="$RUNS/overwrite" \
     --output-dir results/smollm2 &
-  $PY -m hf_retrace.analyze --drafter runs/smollm2-dflash:off --prompt-sets gsm_symbolic:5,humaneval:5 \
+  $PY -m hf_retrace.analyze --drafter "$RUNS/dflash":off --prompt-sets gsm_symbolic:8,humaneval:8 \
     --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
   wait
   # sampling at temperature 1: DFlash vs ReTrace (no lossless check; tau and speed)
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 --do-sample \
-    --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
-    --methods ar,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace --output-dir results/smollm2-sampling
+    --draft-logits-dtype bfloat16 --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
+    --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" --output-dir results/smollm2-sampling
 }
 
 fixes() {  # attempted fix: ReTrace with teacher-forced verification features (same data/steps), benched vs the arms
   phase2_arm retrace-tf --training_mode retrace --retrace_mode corrected --verification_features teacher_forced
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
     --prompt-sets gsm_symbolic:5,humaneval:5 \
-    --methods ar,control=runs/smollm2-control:off,retrace=runs/smollm2-retrace,retrace_tf=runs/smollm2-retrace-tf \
+    --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace",retrace_tf="$RUNS/retrace-tf" \
     --output-dir results/smollm2-fixes
 }
 
 ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
-  $PY - <<'PY'
+  RUNS="$RUNS" $PY - <<'PY'
+import os
 import torch
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.hub import save_for_hub
-for run, name, mode in [("runs/smollm2-retrace", "smollm2-135m-retrace", "corrected"),
-                        ("runs/smollm2-dflash", "smollm2-135m-dflash", "off")]:
+runs = os.environ["RUNS"]
+for run, name, mode in [(f"{runs}/retrace", "smollm2-135m-retrace", "corrected"),
+                        (f"{runs}/dflash", "smollm2-135m-dflash", "off")]:
     drafter = ReTraceDrafterModel.from_pretrained(run, dtype=torch.bfloat16)
     drafter.set_retrace_mode(mode)
+    drafter.config.draft_logits_dtype = "bfloat16"  # drafts only; 7x cheaper on CPU fp32 targets, no-op for bf16
     # repo id the folder is meant for (not uploaded from here: no Hub access); `hf-retrace publish` rewrites it
     save_for_hub(drafter, f"model_cards/{name}", repo_id=f"hf-retrace/{name}",
                  base_model="HuggingFaceTB/SmolLM2-135M-Instruct", eval_results_json="results/smollm2/results.json")
