@@ -39,6 +39,11 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             the raw retained state), `gated` (raw state through the gated residual), `corrected` (full ReTrace).
         retrace_gate_init (`float`, defaults to 1.0): initial value of the vector gate `g`. Must be non-zero: with
             the zero-initialised value projection, a zero gate would block the gradient of both.
+        anchor_broadcast (`bool`, defaults to `False`): add `W_a e_anchor` (zero-initialised `anchor_proj`) to the
+            input of every mask slot of a block. Plain DFlash (`False`) lets mask slots learn the anchor only through
+            attention; trained from scratch on a small budget, that routing never forms (mask queries attend to the
+            other identical mask slots), so every slot predicts the same frequent token. Not part of public DFlash
+            checkpoints; with `W_a = 0` the drafter equals its DFlash backbone.
         draft_logits_dtype (`str`, *optional*): dtype of the target lm-head copy that scores DRAFTS (`"bfloat16"`,
             `"float16"`, `"float32"`); unset uses the target's lm head as is. Verification always uses the target's
             own lm head, so output stays exactly the target's: only which tokens are proposed can change (near-ties).
@@ -69,6 +74,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     num_target_layers: int = 36
     retrace_mode: str = "corrected"
     retrace_gate_init: float = 1.0
+    anchor_broadcast: bool = False
     draft_logits_dtype: str | None = None
 
     default_theta = 1000000.0

@@ -83,6 +83,10 @@ class ReTraceConfig(TrainingArguments):
         default="random",
         metadata={"help": "Fresh-drafter init: 'random', or 'target' (copy the target's top layers and final norm)."},
     )
+    drafter_anchor_broadcast: bool = field(
+        default=False,
+        metadata={"help": "Fresh drafter with anchor_broadcast (W_a e_anchor added to mask slots; see the config)."},
+    )
     drafter_mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token of a fresh drafter (last vocabulary id if unset)."}
     )

@@ -61,6 +61,8 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
         drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32)
     else:
         overrides = dict(num_hidden_layers=args.drafter_num_layers, block_size=args.block_size or 16)
+        if args.drafter_anchor_broadcast:
+            overrides["anchor_broadcast"] = True
         if args.drafter_target_layer_ids is not None:
             overrides["target_layer_ids"] = list(args.drafter_target_layer_ids)
         if args.drafter_mask_token_id is not None:

@@ -57,15 +57,22 @@ def make_target(arch: str = "qwen3", seed: int = 0, restricted: bool = True, **o
     return model
 
 
-def make_drafter(target, block_size: int = 4, mode: str = "corrected", seed: int = 1, nonzero_retrace: bool = True):
+def make_drafter(
+    target, block_size: int = 4, mode: str = "corrected", seed: int = 1, nonzero_retrace: bool = True,
+    anchor_broadcast: bool = False,
+):  # fmt: skip
     """A 1-layer drafter for `target`; `nonzero_retrace=True` gives W_v, W_c and the gate random values so the
-    conditioning path really changes the drafts."""
+    conditioning path really changes the drafts (and W_a too with `anchor_broadcast=True`)."""
     torch.manual_seed(seed)
-    drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=block_size, retrace_mode=mode)
+    drafter = ReTraceDrafterModel.from_target(
+        target, num_hidden_layers=1, block_size=block_size, retrace_mode=mode, anchor_broadcast=anchor_broadcast
+    )
     if nonzero_retrace:
         with torch.no_grad():
             for param in drafter.retrace.parameters():
                 param.normal_(0.0, 0.5)
+            if anchor_broadcast:
+                drafter.anchor_broadcast.weight.normal_(0.0, 0.5)
     return drafter.eval()
 
 

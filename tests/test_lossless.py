@@ -17,11 +17,14 @@ def _greedy(target, prompt, **kwargs):
     return target.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("mode", RETRACE_MODES)
-def test_greedy_is_lossless(arch, mode):
+@pytest.mark.parametrize(
+    "arch, mode, anchor_broadcast",
+    [(arch, mode, False) for arch in sorted(ARCHITECTURES) for mode in RETRACE_MODES]
+    + [(arch, mode, True) for arch in ("llama", "qwen3") for mode in ("off", "corrected")],
+)
+def test_greedy_is_lossless(arch, mode, anchor_broadcast):
     target = make_target(arch)
-    drafter = make_drafter(target, block_size=BLOCK, mode=mode)
+    drafter = make_drafter(target, block_size=BLOCK, mode=mode, anchor_broadcast=anchor_broadcast)
     acceptance, conditioned = set(), 0
     for i, (length, max_new) in enumerate(CASES):
         prompt = random_prompt(length, seed=i)

@@ -204,3 +204,27 @@ def test_save_and_from_pretrained_round_trip(tmp_path, tiny_drafter):
         loaded(noise, context, rejected_trajectory=cond).last_hidden_state,
         tiny_drafter(noise, context, rejected_trajectory=cond).last_hidden_state,
     )
+
+
+def test_anchor_broadcast_starts_at_zero_and_adds_the_anchor_to_mask_slots_per_block(tiny_target, tmp_path):
+    drafter = make_drafter(tiny_target, mode="off", anchor_broadcast=True, nonzero_retrace=False)
+    plain = make_drafter(tiny_target, mode="off", nonzero_retrace=False)  # same seed: same backbone weights
+    assert not drafter.anchor_broadcast.weight.any()  # W_a = 0 at init: the DFlash backbone exactly
+    noise, context, _ = _block_inputs(drafter)
+    torch.testing.assert_close(drafter(noise, context).last_hidden_state, plain(noise, context).last_hidden_state)
+    assert "anchor_broadcast.weight" not in plain.state_dict()  # DFlash keys untouched when disabled
+    with torch.no_grad():
+        drafter.anchor_broadcast.weight.normal_()
+    B = drafter.config.block_size
+    two_blocks = torch.randn(1, 2 * B, noise.shape[-1])  # training passes N blocks at once
+    out = drafter.anchor_broadcast(two_blocks)
+    for block in range(2):
+        rows = slice(block * B, (block + 1) * B)
+        expected = two_blocks[0, rows].clone()
+        expected[1:] += two_blocks[0, block * B] @ drafter.anchor_broadcast.weight.T  # W_a e_0 on slots 1..B-1
+        torch.testing.assert_close(out[0, rows], expected)
+    with pytest.raises(ValueError, match="not a multiple of B"):
+        drafter.anchor_broadcast(two_blocks[:, :-1])
+    drafter.save_pretrained(tmp_path)
+    loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded.anchor_broadcast.weight, drafter.anchor_broadcast.weight, rtol=0, atol=0)

@@ -28,14 +28,17 @@ from hf_retrace.training_setup import build_tiny_target
 B = 4
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=[False, True], ids=["dflash", "anchor_broadcast"])
+def models(request):
     target = build_tiny_target(seed=0)
     torch.manual_seed(1)
-    drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=B).float().eval()
-    with torch.no_grad():  # non-zero conditioning so that round 2 really depends on the retained states
+    drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=B, anchor_broadcast=request.param)
+    drafter = drafter.float().eval()
+    with torch.no_grad():  # non-zero conditioning (and W_a) so that they really change the drafts
         for param in drafter.retrace.parameters():
             param.normal_(0.0, 0.5)
+        if request.param:
+            drafter.anchor_broadcast.weight.normal_(0.0, 0.5)
     return target, drafter
 
 
