@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
 #   experiments/smollm2.sh [data|dflash|phase2|bench|fixes|ship]...   (default: all, in order)
-# Phase 1 trains a DFlash drafter (warm-started from the target's top layers) on the 640-response pool; phase 2
+# Phase 1 trains a DFlash drafter (warm-started from the target's top layers, anchor_broadcast, loss_decay_gamma 2)
+# on the 640-response pool; phase 2
 # continues from it, every arm on the same pool for the same number of steps: ReTrace corrected, the continued-DFlash
 # control and the overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out
 # prompts, drafts scored with a bf16 copy of the lm head (verification stays fp32, so output is exactly the target's).
@@ -10,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
-PHASE1_STEPS=${PHASE1_STEPS:-600}
-PHASE2_STEPS=${PHASE2_STEPS:-150}
+PHASE1_STEPS=${PHASE1_STEPS:-450}
+PHASE2_STEPS=${PHASE2_STEPS:-100}
 RUNS=${RUNS:-runs/v2}
 STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench fixes ship)
 
@@ -34,12 +35,12 @@ phase2_arm() {  # name, then extra train.py flags
     --drafter_name_or_path "$RUNS/dflash" --max_steps "$PHASE2_STEPS" --save_steps 25 --output_dir "$RUNS/$name" "$@"
 }
 
-phase2() {
+phase2() {  # two arms at a time, one thread each
   phase2_arm retrace --training_mode retrace --retrace_mode corrected &
-  phase2_arm control --training_mode dflash --retrace_mode off
+  phase2_arm gated --training_mode retrace --retrace_mode gated
   wait
-  phase2_arm gated --training_mode retrace --retrace_mode gated &
-  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
+  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite &
+  phase2_arm control --training_mode dflash --retrace_mode off
   wait
 }
 
