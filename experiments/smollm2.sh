@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
-#   experiments/smollm2.sh [data|dflash|phase2|bench|fixes|ship]...   (default: all, in order)
+#   experiments/smollm2.sh [data|dflash|phase2|bench|ship|fixes]...   (default: all but fixes, in order)
 # Phase 1 trains a DFlash drafter (warm-started from the target's top layers, anchor_broadcast, loss_decay_gamma 2)
 # on the 640-response pool; phase 2
 # continues from it, every arm on the same pool for the same number of steps: ReTrace corrected, the continued-DFlash
@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
 PHASE1_STEPS=${PHASE1_STEPS:-450}
-PHASE2_STEPS=${PHASE2_STEPS:-100}
+PHASE2_STEPS=${PHASE2_STEPS:-80}
 RUNS=${RUNS:-runs/v2}
-STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench fixes ship)
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench ship)
 
 data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
@@ -58,7 +58,8 @@ bench() {  # greedy (lossless-checked) bench and the rejected-suffix analysis si
     --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" --output-dir results/smollm2-sampling
 }
 
-fixes() {  # attempted fix: ReTrace with teacher-forced verification features (same data/steps), benched vs the arms
+fixes() {  # optional (not in the default run): session 1's attempted fix, ReTrace with teacher-forced verification
+  # features (same data/steps), benched vs the arms; its session-1 result is in results/session1/smollm2-fixes/
   phase2_arm retrace-tf --training_mode retrace --retrace_mode corrected --verification_features teacher_forced
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
     --prompt-sets gsm_symbolic:5,humaneval:5 \
