@@ -44,18 +44,22 @@ phase2() {  # two arms at a time, one thread each
   wait
 }
 
-bench() {  # greedy (lossless-checked) bench and the rejected-suffix analysis side by side, one thread each
+bench() {  # greedy (lossless-checked) bench on one thread; sampling bench then rejected-suffix analysis on the other
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
     --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:8,humaneval:8 \
     --methods ar,prompt_lookup,dflash="$RUNS/dflash",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",overwrite="$RUNS/overwrite" \
     --output-dir results/smollm2 &
-  $PY -m hf_retrace.analyze --drafter "$RUNS/dflash":off --prompt-sets gsm_symbolic:8,humaneval:8 \
-    --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
+  bench_sampling_and_analyze
   wait
-  # sampling at temperature 1: DFlash vs ReTrace (no lossless check; tau and speed)
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 --do-sample \
+}
+
+bench_sampling_and_analyze() {
+  # sampling at temperature 1: DFlash control vs ReTrace (no lossless check; tau and speed)
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 --do-sample \
     --draft-logits-dtype bfloat16 --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
     --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" --output-dir results/smollm2-sampling
+  $PY -m hf_retrace.analyze --drafter "$RUNS/dflash":off --prompt-sets gsm_symbolic:8,humaneval:8 \
+    --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
 }
 
 fixes() {  # optional (not in the default run): session 1's attempted fix, ReTrace with teacher-forced verification
