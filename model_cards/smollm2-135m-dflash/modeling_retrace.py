@@ -174,6 +174,35 @@ class ReTraceTrajectoryEncoder(nn.Module):
         return inputs_embeds + self.gate * self.value_proj(states)
 
 
+class AnchorBroadcast(nn.Module):
+    """`config.anchor_broadcast`: adds `W_a e_0` (the block's anchor embedding through a zero-initialised linear) to
+    every mask slot, a direct path for the one token slot 1 depends on most (see [`ReTraceDrafterConfig`])."""
+
+    def __init__(self, config: ReTraceDrafterConfig):
+        super().__init__()
+        self.block_size = config.block_size
+        # W_a [H_out, H_in], a direct parameter (not an nn.Linear): transformers skips `_init_weights` on custom-code
+        # modules without direct parameters, which would leave a child Linear at its random init instead of zero
+        self.weight = nn.Parameter(torch.zeros(config.hidden_size, config.hidden_size))
+
+    def forward(self, noise_embeds: torch.Tensor) -> torch.Tensor:
+        """`e_j + W_a e_0` on every mask slot `j >= 1` of each block; the anchor slot 0 is untouched.
+
+        Args:
+            noise_embeds (`torch.Tensor` of shape `(batch, N * B, hidden)`): `N` blocks of `B` slots, anchor first
+                (one block at inference; `N` sampled blocks in training).
+        """
+        batch, rows, hidden = noise_embeds.shape
+        block_size = self.block_size
+        if rows % block_size:
+            raise ValueError(f"anchor_broadcast needs whole blocks: {rows} rows is not a multiple of B={block_size}")
+        blocks = noise_embeds.view(batch, rows // block_size, block_size, hidden)  # [b, N, B, H]
+        is_mask_slot = (torch.arange(block_size, device=noise_embeds.device) > 0).view(1, 1, -1, 1)
+        anchor = nn.functional.linear(blocks[:, :, :1], self.weight)  # [b, N, 1, H]
+        blocks = blocks + anchor * is_mask_slot  # W_a e_0 broadcast over slots 1..B-1
+        return blocks.view(batch, rows, hidden)
+
+
 class ReTraceDrafterPreTrainedModel(PreTrainedModel):
     config: ReTraceDrafterConfig
     base_model_prefix = "model"
@@ -193,6 +222,8 @@ class ReTraceDrafterPreTrainedModel(PreTrainedModel):
             # W_v receives a gradient (with both at zero neither would).
             torch.nn.init.zeros_(module.value_proj.weight)
             torch.nn.init.constant_(module.gate, self.config.retrace_gate_init)
+        if isinstance(module, AnchorBroadcast):
+            torch.nn.init.zeros_(module.weight)  # W_a = 0: starts as the DFlash backbone
 
 
 class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
@@ -219,6 +250,8 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.retrace = ReTraceTrajectoryEncoder(config)
+        # `config.anchor_broadcast`; absent otherwise, so DFlash state dicts keep their exact keys
+        self.anchor_broadcast = AnchorBroadcast(config) if config.anchor_broadcast else None
         self.last_generation_stats = None
         self.post_init()
         _install_generate_hook()
@@ -270,6 +303,8 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         """
         context = self.project_context(context_hidden_states)
         noise_embeds = noise_embeds.to(context.dtype)
+        if self.anchor_broadcast is not None:
+            noise_embeds = self.anchor_broadcast(noise_embeds)
         if rejected_trajectory is not None and self.config.retrace_mode != "off":
             noise_embeds = self.apply_rejected_trajectory(noise_embeds, rejected_trajectory)
 

@@ -8,6 +8,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 
 RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
+DRAFT_LOGITS_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -38,6 +39,15 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             the raw retained state), `gated` (raw state through the gated residual), `corrected` (full ReTrace).
         retrace_gate_init (`float`, defaults to 1.0): initial value of the vector gate `g`. Must be non-zero: with
             the zero-initialised value projection, a zero gate would block the gradient of both.
+        anchor_broadcast (`bool`, defaults to `False`): add `W_a e_anchor` (zero-initialised `anchor_proj`) to the
+            input of every mask slot of a block. Plain DFlash (`False`) lets mask slots learn the anchor only through
+            attention; trained from scratch on a small budget, that routing never forms (mask queries attend to the
+            other identical mask slots), so every slot predicts the same frequent token. Not part of public DFlash
+            checkpoints; with `W_a = 0` the drafter equals its DFlash backbone.
+        draft_logits_dtype (`str`, *optional*): dtype of the target lm-head copy that scores DRAFTS (`"bfloat16"`,
+            `"float16"`, `"float32"`); unset uses the target's lm head as is. Verification always uses the target's
+            own lm head, so output stays exactly the target's: only which tokens are proposed can change (near-ties).
+            On CPU with an fp32 target, `"bfloat16"` makes the 15-row draft lm head ~5x cheaper.
     """
 
     model_type = "retrace_drafter"
@@ -64,6 +74,8 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     num_target_layers: int = 36
     retrace_mode: str = "corrected"
     retrace_gate_init: float = 1.0
+    anchor_broadcast: bool = False
+    draft_logits_dtype: str | None = None
 
     default_theta = 1000000.0
 
@@ -92,6 +104,8 @@ class ReTraceDrafterConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.draft_logits_dtype not in DRAFT_LOGITS_DTYPES:
+            raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {self.draft_logits_dtype!r}")
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
 
