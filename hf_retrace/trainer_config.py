@@ -139,6 +139,11 @@ class ReTraceConfig(TrainingArguments):
             raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
         if self.beta_warmup_steps is not None and self.beta_warmup_steps < 0:
             raise ValueError(f"beta_warmup_steps must be >= 0, got {self.beta_warmup_steps}")
+        if self.drafter_name_or_path is not None and (self.drafter_init != "random" or self.drafter_anchor_broadcast):
+            raise ValueError(
+                "drafter_init and drafter_anchor_broadcast configure a FRESH drafter, but drafter_name_or_path="
+                f"{self.drafter_name_or_path!r} loads one; drop them (the loaded config decides) or drop the path."
+            )
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         super().__post_init__()

@@ -50,6 +50,9 @@ def test_init_drafter_applies_it_only_when_asked(target, tmp_path):
 def test_errors(target, tmp_path):
     with pytest.raises(ValueError, match="drafter_init must be one of"):
         ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_init="pretrained")
+    for fresh_only in (dict(drafter_init="target"), dict(drafter_anchor_broadcast=True)):
+        with pytest.raises(ValueError, match="configure a FRESH drafter"):
+            ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_name_or_path="some/folder", **fresh_only)
     deep = ReTraceDrafterModel.from_target(target, num_hidden_layers=5, target_layer_ids=[1], block_size=4)
     with pytest.raises(ValueError, match="at least as many decoder layers"):
         init_drafter_from_target(deep, target)
