@@ -213,8 +213,9 @@ class DraftLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[b, q, H]` drafter states -> `[b, q, V]` draft logits."""
-        # 2-D on purpose: on CPU a 3-D bf16 input takes a slow matmul path (measured 146 ms vs 7 ms for 15 rows of
-        # SmolLM2's 49152 x 576 head, 1 thread); the fp32 target head takes 53 ms either way.
+        # 2-D on purpose: the generator passes `last_hidden_state[:, 1:]`, and a bf16 cast of that slice keeps its
+        # 3-D strides, which takes a slow CPU matmul path (136 ms vs 8 ms for 15 rows of SmolLM2's 49152 x 576 head,
+        # 1 thread; `benchmarks/draft_logits_cost.py`). The fp32 target head takes ~51 ms.
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.weight.dtype)  # [b*q, H]
         logits = nn.functional.linear(flat, self.weight, self.bias)  # [b*q, V]
         return logits.view(*hidden_states.shape[:-1], -1).to(self.out_dtype)
