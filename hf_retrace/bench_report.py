@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .bench_stats import render_paired_markdown
 from .plots import plot_acceptance_histograms, plot_tau
 
 
@@ -164,8 +165,11 @@ def _percent(share: float | None) -> float | None:
     return None if share is None else 100 * share
 
 
-def render_markdown(rows: list[dict], run_info: dict, failures: list[LosslessFailure]) -> str:
-    """The results table (tau pooled over cycles), acceptance histograms and any lossless failures, as markdown."""
+def render_markdown(
+    rows: list[dict], run_info: dict, failures: list[LosslessFailure], paired: list[dict] | None = None
+) -> str:
+    """The results table (tau pooled over cycles), the paired tau ratios (if any), acceptance histograms and any
+    lossless failures, as markdown."""
     lines = [
         "# hf-retrace bench",
         "",
@@ -194,6 +198,8 @@ def render_markdown(rows: list[dict], run_info: dict, failures: list[LosslessFai
             f"| {_fmt(_percent(r['conditioning_share']), '.2f', '%')} "
             f"| {r['num_cycles']} | {r['new_tokens']} | {lossless} |"
         )
+    if paired:
+        lines += ["", render_paired_markdown(paired)]
     lines += ["", "## Acceptance-length histograms (pooled over cycles of all prompts)", ""]
     lines += ["| method | counts of committed tokens per cycle (length:count) |", "|---|---|"]
     for r in rows:
@@ -205,7 +211,7 @@ def render_markdown(rows: list[dict], run_info: dict, failures: list[LosslessFai
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(output_dir: Path, rows, generations, run_info, failures) -> None:
+def write_outputs(output_dir: Path, rows, generations, run_info, failures, paired: list[dict] | None = None) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     per_prompt = [
         {k: v for k, v in asdict(g).items() if k != "token_ids"} | {"new_tokens": len(g.token_ids)}
@@ -216,9 +222,10 @@ def write_outputs(output_dir: Path, rows, generations, run_info, failures) -> No
         "tau_definition": TAU_NOTE,
         "results": rows,
         "lossless_failures": [asdict(f) | {"message": str(f)} for f in failures],
+        "paired_tau": paired or [],
         "generations": per_prompt,
     }
     (output_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (output_dir / "results.md").write_text(render_markdown(rows, run_info, failures))
+    (output_dir / "results.md").write_text(render_markdown(rows, run_info, failures, paired))
     plot_tau(rows, output_dir / "tau.png")
     plot_acceptance_histograms(rows, output_dir / "acceptance_histograms.png")

