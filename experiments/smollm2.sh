@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M experiment of issue 4, end to end (2 CPU cores; hours). Every step resumes where it stopped.
-#   experiments/smollm2.sh [data|dflash|phase2|bench|ship|fixes]...   (default: all but fixes, in order)
-# Phase 1 trains a DFlash drafter (warm-started from the target's top layers, anchor_broadcast, loss_decay_gamma 2)
-# on the 640-response pool; phase 2
-# continues from it, every arm on the same pool for the same number of steps: ReTrace corrected, the continued-DFlash
-# control and the overwrite/gated ablations. Then every drafter is evaluated in one interleaved bench run on held-out
-# prompts, drafts scored with a bf16 copy of the lm head (verification stays fp32, so output is exactly the target's).
-# Session 1's run (random init, 150 + 60 steps) is kept under results/session1/.
+# The SmolLM2-135M experiment of issue 4 (2 CPU cores; hours). Every step resumes where it stopped.
+#   experiments/smollm2.sh [data|dflash|data_extra|phase2|bench|ship|fixes]...
+# Default (the reported run, session 3): data_extra phase2 bench ship.
+# - Phase 1 (`data dflash`, session 2): a DFlash drafter (warm-started from the target's top layers,
+#   anchor_broadcast, loss_decay_gamma 2), 450 steps on a 640-response pool; shipped as
+#   model_cards/smollm2-135m-dflash, which is where phase 2 starts (PHASE1=...; `PHASE1=$RUNS/dflash` after `dflash`).
+# - Phase 2: every arm from that drafter on the same EXTRA pool (640 fresh target responses to prompts disjoint from
+#   phase 1's, `data_extra`) for the same steps: ReTrace corrected, the continued-DFlash control, the gated and
+#   overwrite ablations, and ReTrace with the backbone frozen (`retrace_modules_only`: isolates the conditioning).
+# - Bench: every drafter in one interleaved run on held-out prompts, with tau ratios to the control and paired
+#   bootstrap intervals over prompts; drafts scored with a bf16 copy of the lm head (verification stays fp32).
+# Session 1's and session 2's results are kept under results/session1/ and results/session2/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 PY=.venv/bin/python
 PHASE1_STEPS=${PHASE1_STEPS:-450}
 PHASE2_STEPS=${PHASE2_STEPS:-80}
-RUNS=${RUNS:-runs/v2}
-STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data dflash phase2 bench ship)
+RUNS=${RUNS:-runs/v3}
+PHASE1=${PHASE1:-model_cards/smollm2-135m-dflash}
+PHASE2_DATA=${PHASE2_DATA:-data_cache/phase2-extra}
+STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(data_extra phase2 bench ship)
 
 data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
@@ -24,6 +30,13 @@ data() {  # target-regenerated responses (greedy, fp32), cached and resumable
   $PY -c "from datasets import load_from_disk as L; L('data_cache/smollm2/dataset').select(range(640)).save_to_disk('data_cache/phase2')"
 }
 
+data_extra() {  # phase 2's extra pool: same mix and recipe, prompt seed 5000 (phase 1: 0; evaluation: >= 10000)
+  $PY training/generate_data.py --target default --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
+    --seed 5000 --max-new-tokens 256 --batch-size 64 --chunk-size 128 --dtype float32 --num-threads 2 \
+    --max-responses 640 --output data_cache/smollm2-extra  # 5 chunks of 128: gsm, codeio, stdlib, open_ended, gsm
+  $PY -c "from datasets import load_from_disk as L; L('data_cache/smollm2-extra/dataset').select(range(640)).save_to_disk('$PHASE2_DATA')"
+}
+
 dflash() {  # alone on the machine: 2 threads (~4-5 s/step)
   OMP_NUM_THREADS=2 $PY training/train.py --config training/recipes/smollm2-135m-dflash.yaml \
     --dataset_name data_cache/phase2 --max_steps "$PHASE1_STEPS" --save_steps 25 --output_dir "$RUNS/dflash"
@@ -31,23 +44,24 @@ dflash() {  # alone on the machine: 2 threads (~4-5 s/step)
 
 phase2_arm() {  # name, then extra train.py flags
   local name=$1; shift
-  $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name data_cache/phase2 \
-    --drafter_name_or_path "$RUNS/dflash" --max_steps "$PHASE2_STEPS" --save_steps 25 --output_dir "$RUNS/$name" "$@"
+  $PY training/train.py --config training/recipes/smollm2-135m-retrace.yaml --dataset_name "$PHASE2_DATA" \
+    --drafter_name_or_path "$PHASE1" --max_steps "$PHASE2_STEPS" --save_steps 20 --output_dir "$RUNS/$name" "$@"
 }
 
-phase2() {  # two arms at a time, one thread each
-  phase2_arm retrace --training_mode retrace --retrace_mode corrected &
-  phase2_arm gated --training_mode retrace --retrace_mode gated
+phase2() {  # two arms at a time, one thread each (~15-20 s/step)
+  phase2_arm control --training_mode dflash --retrace_mode off &
+  phase2_arm retrace --training_mode retrace --retrace_mode corrected
   wait
-  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite &
-  phase2_arm control --training_mode dflash --retrace_mode off
+  phase2_arm gated --training_mode retrace --retrace_mode gated &
+  phase2_arm retrace-modules --training_mode retrace_modules_only --retrace_mode corrected
   wait
+  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
 }
 
 bench() {  # greedy (lossless-checked) bench on one thread; sampling bench then rejected-suffix analysis on the other
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
-    --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:8,humaneval:8 \
-    --methods ar,prompt_lookup,dflash="$RUNS/dflash",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",overwrite="$RUNS/overwrite" \
+    --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:12,humaneval:12 --baseline control \
+    --methods ar,prompt_lookup,dflash="$PHASE1",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",overwrite="$RUNS/overwrite",retrace_modules="$RUNS/retrace-modules" \
     --output-dir results/smollm2 &
   bench_sampling_and_analyze
   wait
@@ -56,9 +70,10 @@ bench() {  # greedy (lossless-checked) bench on one thread; sampling bench then 
 bench_sampling_and_analyze() {
   # sampling at temperature 1: DFlash control vs ReTrace (no lossless check; tau and speed)
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 --do-sample \
-    --draft-logits-dtype bfloat16 --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:4,humaneval:4 \
-    --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" --output-dir results/smollm2-sampling
-  $PY -m hf_retrace.analyze --drafter "$RUNS/dflash":off --prompt-sets gsm_symbolic:8,humaneval:8 \
+    --draft-logits-dtype bfloat16 --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:6,humaneval:6 \
+    --baseline control --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" \
+    --output-dir results/smollm2-sampling
+  $PY -m hf_retrace.analyze --drafter "$PHASE1":off --prompt-sets gsm_symbolic:8,humaneval:8 \
     --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
 }
 
@@ -72,15 +87,19 @@ fixes() {  # optional (not in the default run): session 1's attempted fix, ReTra
 }
 
 ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
-  RUNS="$RUNS" $PY - <<'PY'
+  RUNS="$RUNS" PHASE1="$PHASE1" $PY - <<'PY'
 import os
+import shutil
+import tempfile
 import torch
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.hub import save_for_hub
 runs = os.environ["RUNS"]
-for run, name, mode in [(f"{runs}/retrace", "smollm2-135m-retrace", "corrected"),
-                        (f"{runs}/dflash", "smollm2-135m-dflash", "off")]:
-    drafter = ReTraceDrafterModel.from_pretrained(run, dtype=torch.bfloat16)
+phase1 = os.environ["PHASE1"]
+arms = [(f"{runs}/retrace", "smollm2-135m-retrace", "corrected"), (phase1, "smollm2-135m-dflash", "off")]
+for run, name, mode in arms:
+    copy = shutil.copytree(run, tempfile.mkdtemp() + "/drafter")  # the folder may be the card being rewritten
+    drafter = ReTraceDrafterModel.from_pretrained(copy, dtype=torch.bfloat16)
     drafter.set_retrace_mode(mode)
     drafter.config.draft_logits_dtype = "bfloat16"  # drafts only; 7x cheaper on CPU fp32 targets, no-op for bf16
     # repo id the folder is meant for (not uploaded from here: no Hub access); `hf-retrace publish` rewrites it

@@ -59,6 +59,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, help="prompt seed (training: < EVAL_SEED_OFFSET) and sampling seed"
     )
+    parser.add_argument(
+        "--max-responses", type=int, default=None, help="stop after the chunk that reaches this many responses"
+    )
     parser.add_argument("--save-every", type=int, default=1, help="batches per checkpoint shard")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     return parser
@@ -143,6 +146,9 @@ def main(args: argparse.Namespace) -> None:
                 f"chunk {chunk + 1}/{num_chunks} {name}: {sum(len(p) for p in parts)} responses, {num_tokens} tokens "
                 f"in {output / 'dataset'} ({elapsed / 60:.1f} min this run)"
             )
+            if args.max_responses is not None and sum(len(p) for p in parts) >= args.max_responses:
+                logger.info(f"done: {output / 'dataset'} (--max-responses {args.max_responses})")
+                return
     logger.info(f"done: {output / 'dataset'}")
 
 
