@@ -201,3 +201,21 @@ def test_generate_data_cli_parse_mix():
         module.parse_mix("gsm_symbolic")
     args = module.make_parser().parse_args(["--mix", "humaneval:4", "--batch-size", "8"])
     assert (args.target, args.batch_size, args.max_new_tokens) == ("default", 8, 256)
+
+
+def test_generate_data_stops_at_max_responses(smollm2, tmp_path):
+    """Chunks alternate between sources; --max-responses stops after the chunk that reaches the count."""
+    path = Path(__file__).parents[1] / "training" / "generate_data.py"
+    spec = importlib.util.spec_from_file_location("generate_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"prompt": "Say {name}{i}."}}\n' for i in range(3)))
+    mix = f"{tmp_path / 'a.jsonl'}:3,{tmp_path / 'b.jsonl'}:3"
+    argv = ["--mix", mix, "--chunk-size", "2", "--batch-size", "2", "--max-new-tokens", "3", "--num-threads", "1",
+            "--max-responses", "3", "--output", str(tmp_path / "out")]  # fmt: skip
+    module.main(module.make_parser().parse_args(argv))
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(tmp_path / "out" / "dataset"))
+    assert rows["source"] == [str(tmp_path / "a.jsonl")] * 2 + [str(tmp_path / "b.jsonl")] * 2  # a's chunk, b's chunk
