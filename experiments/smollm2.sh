@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M experiment of issue 4 (2 CPU cores; hours). Every step resumes where it stopped.
-#   experiments/smollm2.sh [data|dflash|data_extra|phase2|overwrite|bench|ship|fixes]...
+#   experiments/smollm2.sh [data|dflash|data_extra|phase2|overwrite|bench|bench_greedy|bench_sampling_and_analyze|ship|fixes]...
 # Default (the reported run, session 3): data_extra phase2 bench ship.
 # - Phase 1 (`data dflash`, session 2): a DFlash drafter (warm-started from the target's top layers,
 #   anchor_broadcast, loss_decay_gamma 2), 450 steps on a 640-response pool; shipped as
@@ -61,14 +61,18 @@ overwrite() {  # the third ablation (not in the default run for time: session 2 
   phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
 }
 
-bench() {  # greedy (lossless-checked) bench on one thread; sampling bench then rejected-suffix analysis on the other
+bench() {  # greedy bench on one thread, sampling bench then rejected-suffix analysis on the other
+  bench_greedy &
+  bench_sampling_and_analyze
+  wait
+}
+
+bench_greedy() {  # every method on the same held-out prompts, interleaved, lossless-checked
   local OVERWRITE=""; [ -f "$RUNS/overwrite/config.json" ] && OVERWRITE=",overwrite=$RUNS/overwrite"
   $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
     --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:12,humaneval:12 --baseline control \
     --methods ar,prompt_lookup,dflash="$PHASE1",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",retrace_modules="$RUNS/retrace-modules"$OVERWRITE \
-    --output-dir results/smollm2 &
-  bench_sampling_and_analyze
-  wait
+    --output-dir results/smollm2
 }
 
 bench_sampling_and_analyze() {
