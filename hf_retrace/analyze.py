@@ -32,6 +32,7 @@ from .bench import (
     parse_prompt_sets,
     prompt_set_label,
 )
+from .generation_retrace import draft_lm_head
 from .prompts import EVAL_SEED_OFFSET
 
 
@@ -142,7 +143,10 @@ def analyze_generation(target, drafter, input_ids: torch.LongTensor, max_new_tok
 
     Raises `RuntimeError` when the recomputed acceptance disagrees with the generator's (an alignment bug).
     """
-    recorder = DraftRecorder(drafter, target.get_output_embeddings(), top_k)
+    # the head the generator scores drafts with (a bf16 copy when `draft_logits_dtype` says so): near-tie argmaxes
+    # of another head would disagree with the drafts that were verified
+    head = draft_lm_head(target.get_output_embeddings(), drafter.config.draft_logits_dtype)
+    recorder = DraftRecorder(drafter, head, top_k)
     try:
         output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                                  do_sample=False, max_new_tokens=max_new_tokens)  # fmt: skip

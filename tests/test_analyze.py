@@ -6,7 +6,7 @@ import pytest
 
 from conftest import make_drafter, make_target, random_prompt
 
-from hf_retrace import analyze
+from hf_retrace import analyze, generation_retrace
 from hf_retrace.analyze import AgreementCounts, DraftRound, analyze_generation, num_accepted, round_agreement
 from hf_retrace.bench import torch_threads
 
@@ -138,3 +138,17 @@ def test_recorder_sees_what_the_generator_drafted(tiny):
         assert all(len(r.topk_ids[0]) == 5 and r.topk_ids[0][0] == r.draft_ids[0] for r in recorder.rounds)
         seen += [n for _, n in inside]
     assert set(seen) == {1, 2, 3, 4}  # every acceptance length, so both rejections and acceptances were checked
+
+
+def test_recorder_scores_with_the_generators_draft_head(tiny, monkeypatch):
+    """With `draft_logits_dtype` the generator drafts with a cast copy of the lm head; the analysis must score with that
+    same head. Made unmistakable here: the copy's logits are rolled by one token id, so the target head's argmax would
+    name other drafts and the alignment cross-check would fail."""
+    _, target = tiny
+    drafter = make_drafter(target, block_size=4, mode="corrected")
+    drafter.config.draft_logits_dtype = "bfloat16"
+    original = generation_retrace.DraftLMHead.forward
+    monkeypatch.setattr(generation_retrace.DraftLMHead, "forward", lambda self, h: original(self, h).roll(1, dims=-1))
+    for seed in range(3):
+        counts = analyze_generation(target, drafter, random_prompt(5 + seed, seed=seed), max_new_tokens=30)
+        assert counts.rounds > 0
