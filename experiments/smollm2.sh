@@ -57,8 +57,12 @@ phase2() {  # two lanes, one thread each; a ReTrace step costs ~1.8x a DFlash on
   wait
 }
 
-overwrite() {  # the third ablation (not in the default run for time: session 2 measured it at 0.86x the control)
-  phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
+overwrite() {  # the third ablation, trained and benched after the others for time (the reported run: 2 threads)
+  OMP_NUM_THREADS=2 phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
+  # greedy tau is deterministic, so the control's tau here equals the main bench's; tokens/s is a separate run's
+  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
+    --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:12,humaneval:12 --baseline control \
+    --methods ar,control="$RUNS/control":off,overwrite="$RUNS/overwrite" --output-dir results/smollm2-overwrite
 }
 
 bench() {  # greedy bench on one thread, sampling bench then rejected-suffix analysis on the other
