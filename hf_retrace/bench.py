@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_target(args.target, dtype, args.device)
-    methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in parse_methods(args.methods)]
+    specs = parse_methods(args.methods)
+    if args.baseline is not None and args.baseline not in [spec.name for spec in specs]:  # fail before the long run
+        raise ValueError(f"--baseline {args.baseline!r} is not one of --methods: {[spec.name for spec in specs]}")
+    methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip
     generate_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}

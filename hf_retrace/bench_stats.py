@@ -26,6 +26,8 @@ def paired_tau_ratio(
     Returns:
         `dict` with `method`, `baseline`, `num_prompts`, `tau`, `baseline_tau`, `ratio` and `ci95` (`[low, high]`).
     """
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples must be >= 1, got {num_resamples}")
     ours, theirs = _cycles_by_prompt(generations, method), _cycles_by_prompt(generations, baseline)
     prompts = sorted(ours.keys() & theirs.keys())
     if not prompts:

@@ -149,6 +149,14 @@ def test_paired_tau_against_baseline(bench_run):
     assert "tau relative to `dflash`" in (out / "results.md").read_text()
 
 
+def test_unknown_baseline_fails_before_running(assets):
+    argv = ["--target", str(assets / "target"), "--methods", _methods(assets), "--baseline", "nope",
+            "--prompt-sets", f"{assets / 'ids.jsonl'}:1", "--output-dir", str(assets / "never")]  # fmt: skip
+    with pytest.raises(ValueError, match="--baseline 'nope' is not one of --methods"):
+        bench.main(argv)
+    assert not (assets / "never").exists()
+
+
 def test_ar_and_prompt_lookup_rows(bench_run):
     rows = {(r["method"], r["prompt_set"]): r for r in bench_run[2]["results"]}
     ar, lookup = rows[("ar", "pooled")], rows[("prompt_lookup", "pooled")]

@@ -45,6 +45,8 @@ def test_table_and_errors(tmp_path, capsys):
     assert [r["method"] for r in paired_tau_table(GENERATIONS, "b")] == ["a"]
     with pytest.raises(ValueError, match="not a method of this run"):
         paired_tau_table(GENERATIONS, "control")
+    with pytest.raises(ValueError, match="num_resamples"):
+        paired_tau_ratio(GENERATIONS, "a", "b", num_resamples=0)
     with pytest.raises(ValueError, match="share no prompt"):
         paired_tau_ratio(GENERATIONS + [_gen("x", 7, [1])], "x", "b")
     path = tmp_path / "results.json"
