@@ -145,7 +145,9 @@ def analyze_generation(target, drafter, input_ids: torch.LongTensor, max_new_tok
     """
     # the head the generator scores drafts with (a bf16 copy when `draft_logits_dtype` says so): near-tie argmaxes
     # of another head would disagree with the drafts that were verified
-    head = draft_lm_head(target.get_output_embeddings(), drafter.config.draft_logits_dtype)
+    head = draft_lm_head(
+        target.get_output_embeddings(), drafter.config.draft_logits_dtype, getattr(drafter, "draft_vocab_ids", None)
+    )
     recorder = DraftRecorder(drafter, head, top_k)
     try:
         output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,

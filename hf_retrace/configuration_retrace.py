@@ -48,6 +48,12 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             `"float16"`, `"float32"`); unset uses the target's lm head as is. Verification always uses the target's
             own lm head, so output stays exactly the target's: only which tokens are proposed can change (near-ties).
             On CPU with an fp32 target, `"bfloat16"` makes the 15-row draft lm head ~5x cheaper.
+        draft_vocab_size (`int`, *optional*): `K`, the size of the reduced draft vocabulary (EAGLE-3's idea). The
+            drafter then scores only the `K` rows `draft_vocab_ids` (a buffer saved with the weights: the `K` most
+            frequent tokens of the training responses) of the target's lm head, in training and at inference; the
+            draft logits are scattered back to the full vocabulary with `-inf` elsewhere, so greedy verification and
+            speculative sampling stay exact (a target token outside the draft vocabulary is simply a rejection).
+            Unset: the full vocabulary (z-lab DFlash checkpoints).
     """
 
     model_type = "retrace_drafter"
@@ -76,6 +82,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     retrace_gate_init: float = 1.0
     anchor_broadcast: bool = False
     draft_logits_dtype: str | None = None
+    draft_vocab_size: int | None = None
 
     default_theta = 1000000.0
 
@@ -106,6 +113,10 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             )
         if self.draft_logits_dtype not in DRAFT_LOGITS_DTYPES:
             raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {self.draft_logits_dtype!r}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {self.draft_vocab_size}"
+            )
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
@@ -323,3 +324,49 @@ class DataCollatorForReTrace:
             attention_mask[row, :n] = 1
             loss_mask[row, :n] = torch.as_tensor(example["loss_mask"], dtype=torch.long)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+@dataclass
+class DataCollatorWithFeatures:
+    """Collates rows of a feature cache ([`hf_retrace.pool.load_feature_dataset`]): right-padded `input_ids`,
+    `attention_mask`, `loss_mask` (1 on response tokens, from `prompt_length`) and the cached target `features`.
+
+    Args:
+        cache_layer_ids (`list[int]`): the layers the cache holds, in its column order.
+        layer_ids (`list[int]`): the layers the drafter reads (`config.target_layer_ids`), a subset.
+        hidden_size (`int`): width of one layer's features.
+        max_length (`int`, *optional*): rows are cut to this many tokens.
+        pad_token_id (`int`, *optional*, defaults to 0).
+
+    Returns (from `__call__(examples)`): the [`DataCollatorForReTrace`] keys, plus `features`, a bf16 tensor of
+    shape `(batch, seq_len, len(layer_ids) * hidden_size)`, zero on padding.
+    """
+
+    cache_layer_ids: list[int]
+    layer_ids: list[int]
+    hidden_size: int
+    max_length: int | None = None
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        missing = [k for k in self.layer_ids if k not in self.cache_layer_ids]
+        if missing:
+            raise ValueError(f"the feature cache holds layers {self.cache_layer_ids}, not {missing}")
+        h = self.hidden_size
+        self._columns = torch.cat([torch.arange(h) + self.cache_layer_ids.index(k) * h for k in self.layer_ids])
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        lengths = [min(len(e["input_ids"]), self.max_length or len(e["input_ids"])) for e in examples]
+        width = max(lengths)
+        batch = len(examples)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        loss_mask = torch.zeros((batch, width), dtype=torch.long)
+        features = torch.zeros((batch, width, len(self._columns)), dtype=torch.bfloat16)
+        for row, (example, n) in enumerate(zip(examples, lengths)):
+            input_ids[row, :n] = torch.as_tensor(example["input_ids"][:n], dtype=torch.long)
+            attention_mask[row, :n] = 1
+            loss_mask[row, int(example["prompt_length"]) : n] = 1
+            bits = torch.from_numpy(np.ascontiguousarray(example["features"][:n]).astype(np.int16, copy=False))
+            features[row, :n] = bits.view(torch.bfloat16)[:, self._columns]  # stored as the bf16 bit pattern
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "features": features}

@@ -4,9 +4,11 @@ objective as DFlash", no auxiliary losses) and the greedy-acceptance bookkeeping
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 IGNORE_INDEX = -100
+LOSS_TYPES = ("ce", "eal")
 
 
 def default_loss_decay_gamma(block_size: int) -> float:
@@ -53,6 +55,59 @@ def block_cross_entropy(logits: torch.Tensor, labels: torch.LongTensor, weights:
     return (ce * weights.reshape(-1)).sum() / total.clamp_min(1e-6)
 
 
+def _chunk_log_likelihood(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor):
+    logits = F.linear(hidden, weight).float()  # [m, K]
+    log_likelihood = -F.cross_entropy(logits, labels, reduction="none")  # [m]
+    return log_likelihood, logits.detach().argmax(dim=-1)
+
+
+def slot_log_likelihoods(
+    hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor, chunk_rows: int = 4096
+) -> tuple[torch.Tensor, torch.LongTensor]:
+    """`log q(label)` and the argmax of every row, with the `[rows, K]` logits never all in memory.
+
+    Rows are scored `chunk_rows` at a time under activation checkpointing: the backward pass recomputes a chunk's
+    logits instead of keeping them, so peak memory is one `[chunk_rows, K]` fp32 block (the whole `[rows, K]` would
+    be 3840 x 49152 x 4 B = 755 MB for one SmolLM2 step at full vocabulary).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(M, hidden)`): drafter states of supervised slots.
+        weight (`torch.Tensor` of shape `(K, hidden)`): lm-head rows of the draft vocabulary (frozen).
+        labels (`torch.LongTensor` of shape `(M,)`): label indices into those `K` rows (all valid).
+    Returns:
+        `(log_likelihood, argmax)`: `(M,)` float32 (differentiable) and `(M,)` indices into the `K` rows.
+    """
+    if hidden_states.shape[0] == 0:
+        return hidden_states.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
+    hidden_states = hidden_states.to(weight.dtype)
+    parts = [
+        checkpoint(_chunk_log_likelihood, h, weight, y, use_reentrant=False)
+        if torch.is_grad_enabled() and h.requires_grad
+        else _chunk_log_likelihood(h, weight, y)
+        for h, y in zip(hidden_states.split(chunk_rows), labels.split(chunk_rows))
+    ]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def expected_accepted_length(log_likelihood: torch.Tensor, acceptable: torch.BoolTensor) -> torch.Tensor:
+    """Expected number of accepted drafts of each block under greedy verification, with teacher-forced labels
+    (acceptance-length-aware training, `../shared/paper/004_*.txt`): `E[n] = sum_k prod_{j <= k} q_j(y_j)`.
+
+    A slot that is not acceptable (unsupervised, or its label is outside the draft vocabulary, so it can never be
+    drafted) ends the chain: it and every later slot contribute 0.
+
+    Args:
+        log_likelihood (`torch.Tensor` of shape `(..., B - 1)`): `log q_k(y_k)` of slots `1..B-1` (any value where
+            not acceptable).
+        acceptable (`torch.BoolTensor` of shape `(..., B - 1)`).
+    Returns:
+        `torch.Tensor` of shape `(...)`: `E[n]` per block, in `[0, B - 1]`.
+    """
+    alive = acceptable.long().cumprod(dim=-1).bool()  # the chain reaches slot k
+    log_prefix = torch.where(alive, log_likelihood, torch.zeros_like(log_likelihood)).cumsum(dim=-1)
+    return (log_prefix.exp() * alive).sum(dim=-1)
+
+
 def count_accepted(draft_ids: torch.LongTensor, labels: torch.LongTensor) -> torch.LongTensor:
     """Greedy acceptance `n`: number of leading drafted slots equal to their label (`-100` never matches).
 
@@ -70,6 +125,9 @@ def count_accepted(draft_ids: torch.LongTensor, labels: torch.LongTensor) -> tor
 
 __all__ = [
     "IGNORE_INDEX",
+    "LOSS_TYPES",
+    "expected_accepted_length",
+    "slot_log_likelihoods",
     "block_cross_entropy",
     "count_accepted",
     "default_loss_decay_gamma",

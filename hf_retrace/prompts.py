@@ -31,6 +31,7 @@ import random
 import re
 import sysconfig
 import tempfile
+import zlib
 from functools import lru_cache
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "open_ended")
+SPLITS = ("train", "eval")
 EVAL_SEED_OFFSET = 10_000  # training pools use reasoning-gym seeds below this, evaluation pools seeds at or above it
 DEFAULT_PROCEDURAL_SIZE = 500  # reasoning-gym sets are unlimited; this many items when `num_prompts` is None
 
@@ -91,6 +93,18 @@ def _scratch_cwd():
             yield
         finally:
             os.chdir(cwd)
+
+
+def _split(items: list, split: str | None, key=str) -> list:
+    """Finite sets have no seeds to keep training and evaluation apart, so they are partitioned instead: an item
+    whose CRC-32 (of `key(item)`, the underlying text before any template) is 0 mod 10 is `"eval"`, the rest is
+    `"train"`. `None` keeps the whole set."""
+    if split is None:
+        return items
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+    held_out = [zlib.crc32(key(item).encode()) % 10 == 0 for item in items]
+    return [item for item, h in zip(items, held_out) if h == (split == "eval")]
 
 
 def _reasoning_gym(name: str, num_prompts: int | None, seed: int) -> list[list[dict]]:
@@ -151,8 +165,8 @@ def _stdlib_functions() -> tuple[tuple[str, str], ...]:
     return tuple(functions)
 
 
-def _stdlib(num_prompts: int | None, seed: int) -> list[list[dict]]:
-    functions = _subset(list(_stdlib_functions()), num_prompts, seed)
+def _stdlib(num_prompts: int | None, seed: int, split: str | None = None) -> list[list[dict]]:
+    functions = _subset(_split(list(_stdlib_functions()), split, key=lambda f: f[0]), num_prompts, seed)
     rng = random.Random(seed)
     prompts = []
     for code, undocumented in functions:
@@ -222,12 +236,12 @@ def _module_docstrings() -> list[str]:
     return paragraphs
 
 
-def _open_ended(num_prompts: int | None, seed: int) -> list[list[dict]]:
+def _open_ended(num_prompts: int | None, seed: int, split: str | None = None) -> list[list[dict]]:
     rng = random.Random(seed)
-    texts = [rng.choice(_FORTUNE_TEMPLATES).format(text=t) for t in _fortunes()]
+    texts = [rng.choice(_FORTUNE_TEMPLATES).format(text=t) for t in _split(_fortunes(), split)]
     jargon = "What does the hacker jargon term '{}' mean? Give an example of its use."
-    texts += [jargon.format(term) for term in _jargon_terms()]
-    passages = _pydoc_paragraphs() + _module_docstrings()
+    texts += [jargon.format(term) for term in _split(_jargon_terms(), split)]
+    passages = _split(_pydoc_paragraphs() + _module_docstrings(), split)
     texts += [rng.choice(_PASSAGE_TEMPLATES).format(text=t) for t in passages]
     return [_user(t) for t in _subset(texts, num_prompts, seed)]
 
@@ -248,7 +262,9 @@ def _jsonl(path: Path, num_prompts: int | None, seed: int) -> list[list[dict]]:
     return _subset(prompts, num_prompts, seed)
 
 
-def load_prompts(name: str, num_prompts: int | None = None, seed: int = 0) -> list[list[dict]]:
+def load_prompts(
+    name: str, num_prompts: int | None = None, seed: int = 0, split: str | None = None
+) -> list[list[dict]]:
     """Loads a prompt set as chat conversations.
 
     Args:
@@ -261,6 +277,10 @@ def load_prompts(name: str, num_prompts: int | None = None, seed: int = 0) -> li
         seed (`int`, *optional*, defaults to 0):
             reasoning-gym seed (training below `EVAL_SEED_OFFSET`, evaluation at or above it) or, for finite sets, the
             seed of the random subset and of the template choice.
+        split (`str`, *optional*): for the finite sets `stdlib` and `open_ended`, `"train"` or `"eval"`: a fixed
+            partition (1 item in 10 is held out for evaluation, by a hash of its text), so that training pools and
+            evaluation prompts never share an item. `None` (default) is the whole set. Ignored by the other sets
+            (reasoning-gym sets separate by seed; HumanEval is evaluation-only).
 
     Returns:
         `list[list[dict]]`: one `[{"role": ..., "content": ...}, ...]` conversation per prompt.
@@ -276,9 +296,9 @@ def load_prompts(name: str, num_prompts: int | None = None, seed: int = 0) -> li
     if name == "humaneval":
         return _subset(_humaneval(), num_prompts, seed)
     if name == "stdlib":
-        return _stdlib(num_prompts, seed)
+        return _stdlib(num_prompts, seed, split)
     if name == "open_ended":
-        return _open_ended(num_prompts, seed)
+        return _open_ended(num_prompts, seed, split)
     if name.endswith(".jsonl"):
         if not Path(name).is_file():
             raise ValueError(f"prompt file {name} does not exist")

@@ -1,5 +1,5 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""Frozen-target helpers of training: DFlash context features, block input embeddings and greedy drafts.
+"""Frozen-target helpers of training: DFlash context features and block input embeddings.
 
 The features are exactly what inference reads (`outputs.hidden_states[k + 1]` for `k in target_layer_ids`), but the
 target forward stops after the deepest needed layer, so a drafter that reads the middle of the target costs half a
@@ -88,18 +88,4 @@ def embed_tokens(target: nn.Module, input_ids: torch.LongTensor) -> torch.Tensor
         embedding.embed_norm = embed_norm
 
 
-@torch.no_grad()
-def greedy_draft_ids(hidden_states: torch.Tensor, lm_head: nn.Module, chunk_rows: int = 2048) -> torch.LongTensor:
-    """Argmax tokens of `lm_head(hidden_states)`, computed in row chunks so `(rows, vocab)` logits never all exist.
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(..., hidden)`): drafter final states.
-    Returns:
-        `torch.LongTensor` of shape `(...)`.
-    """
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head.weight.dtype)
-    ids = [lm_head(chunk).argmax(dim=-1) for chunk in flat.split(chunk_rows)]
-    return torch.cat(ids).view(hidden_states.shape[:-1])
-
-
-__all__ = ["compute_target_features", "embed_tokens", "greedy_draft_ids"]
+__all__ = ["compute_target_features", "embed_tokens"]

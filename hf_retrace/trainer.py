@@ -13,7 +13,8 @@ from .generation_retrace import validate_drafter_for_target
 from .losses import loss_decay_weights
 from .modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
 from .trainer_config import ReTraceConfig
-from .training_forward import dflash_training_step, retrace_training_step
+from .draft_vocab import TrainingDraftHead
+from .training_forward import LossSettings, dflash_training_step, retrace_training_step
 
 
 logger = logging.get_logger(__name__)
@@ -70,6 +71,11 @@ class ReTraceTrainer(Trainer):
         self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
         block_size = model.config.block_size
         self.decay_weights = loss_decay_weights(block_size, args.resolved_loss_decay_gamma(block_size))
+        self.loss_settings = LossSettings(
+            head=TrainingDraftHead.from_lm_head(self.target.get_output_embeddings(), _draft_vocab_ids(model)),
+            decay_weights=self.decay_weights, loss_type=args.loss_type, eal_ce_weight=args.eal_ce_weight,
+            chunk_rows=args.loss_chunk_rows,
+        )  # fmt: skip
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
         self._eval_batches = 0
@@ -90,7 +96,17 @@ class ReTraceTrainer(Trainer):
         beta = self._set_beta()
         mode = "train" if model.training else "eval"
         generator = self._anchor_generator() if mode == "train" else self._eval_generator()
-        common = dict(num_anchors=args.num_anchors, decay_weights=self.decay_weights, generator=generator)
+        features = inputs.get("features")
+        if args.feature_source == "cached" and features is None:
+            raise ValueError(
+                "feature_source='cached' but the batch has no `features`: train on a feature cache "
+                "(`hf_retrace.pool.load_feature_dataset`, collated by `DataCollatorWithFeatures`)."
+            )
+        common = dict(
+            num_anchors=args.num_anchors, loss=self.loss_settings, generator=generator,
+            features=features[:, :length] if args.feature_source == "cached" else None,
+            max_blocks_per_forward=args.max_blocks_per_forward,
+        )  # fmt: skip
         if args.training_mode == "dflash":
             out = dflash_training_step(model, self.target, input_ids, attention_mask, loss_mask, **common)
         else:
@@ -202,6 +218,12 @@ class ReTraceTrainer(Trainer):
         return torch.Generator().manual_seed(seed % (2**63))
 
 
+def _draft_vocab_ids(drafter) -> torch.Tensor | None:
+    """The drafter's reduced draft vocabulary (through PEFT/DDP wrappers), or `None` for the full vocabulary."""
+    base = drafter.get_base_model() if hasattr(drafter, "get_base_model") else drafter
+    return getattr(base, "draft_vocab_ids", None)
+
+
 def _is_retrace_parameter(name: str) -> bool:
     """Whether a parameter name (plain, DDP `module.` or PEFT `base_model.model.` prefixed) is a ReTrace module's."""
     return name.startswith("retrace.") or ".retrace." in name
@@ -225,10 +247,16 @@ def _validate_models(drafter, target, args: ReTraceConfig) -> None:
 
 
 def _validate_dataset(dataset) -> None:
-    """The dataset must be tokenized and hold at least one anchor (two consecutive response tokens)."""
+    """The dataset must be tokenized (or a feature cache) and hold at least one anchor (two consecutive response
+    tokens)."""
     if dataset is None:
         raise ValueError("ReTraceTrainer needs a train_dataset with `input_ids` and `loss_mask`.")
     columns = getattr(dataset, "column_names", None) or list(dataset[0].keys())
+    if "prompt_length" in columns and "features" in columns:  # a feature cache: the response follows the prompt
+        lengths = zip(dataset["input_ids"], dataset["prompt_length"]) if hasattr(dataset, "column_names") else []
+        if any(len(ids) - int(start) >= 2 for ids, start in lengths):
+            return
+        raise ValueError("the feature cache has no row with two response tokens to train on.")
     missing = [c for c in ("input_ids", "loss_mask") if c not in columns]
     if missing:
         raise ValueError(

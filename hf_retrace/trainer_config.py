@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .configuration_retrace import RETRACE_MODES
-from .losses import default_loss_decay_gamma
+from .losses import LOSS_TYPES, default_loss_decay_gamma
 from .training_forward import VERIFICATION_FEATURES
 
 
 TRAINING_MODES = ("dflash", "retrace", "retrace_modules_only")
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_INITS = ("random", "target")
+FEATURE_SOURCES = ("online", "cached")
 
 
 @dataclass
@@ -37,11 +38,17 @@ class ReTraceConfig(TrainingArguments):
         drafter_target_layer_ids (`list[int]`, *optional*): target layers of a fresh drafter (DFlash rule if unset).
         drafter_mask_token_id (`int`, *optional*): mask token of a fresh drafter (last vocabulary id if unset).
         retrace_mode (`str`, *optional*): `off`, `overwrite`, `gated` or `corrected`; unset keeps the drafter's.
+        drafter_draft_vocab_size (`int`, *optional*): a fresh drafter gets a reduced draft vocabulary of this many
+            tokens, the most frequent of the training responses (`ReTraceDrafterConfig.draft_vocab_size`).
 
         > Parameters that control the data
 
         max_length (`int`, *optional*, defaults to `2048`): longest training sequence (prompt + response), tokens.
         num_anchors (`int`, *optional*, defaults to `512`): blocks sampled per sequence per step.
+        feature_source (`str`, *optional*, defaults to `"online"`): where the target's context features come from.
+            `online`: a no-grad target forward inside every step (large-scale runs whose features do not fit on
+            disk). `cached`: the `features` column of the dataset (`hf_retrace.pool`), so the step never runs the
+            target (except for ReTrace's `faithful` verification features, which depend on the drafts).
 
         > Parameters that control the training
 
@@ -57,6 +64,13 @@ class ReTraceConfig(TrainingArguments):
             round. `faithful`: target features of the drafted block on the true prefix (what inference sees; one
             extra no-grad target forward over the rejected tails). `teacher_forced`: clean features of the true
             continuation (free, but a different signal).
+        loss_type (`str`, *optional*, defaults to `"ce"`): `ce`, the decayed block cross-entropy, or `eal`, the
+            expected accepted length under greedy verification (maximised; `../shared/paper/004_*`) plus
+            `eal_ce_weight` times the CE.
+        eal_ce_weight (`float`, *optional*, defaults to `0.1`): weight of the CE inside the `eal` loss.
+        loss_chunk_rows (`int`, *optional*, defaults to `4096`): draft-logit rows materialised at a time.
+        max_blocks_per_forward (`int`, *optional*, defaults to `64`): blocks per drafter forward; bounds the block
+            mask at `(n * B, T + n * B)` per row whatever `num_anchors` is.
         retrace_learning_rate (`float`, *optional*): learning rate of the ReTrace modules (`W_c`, `W_v`, gate),
             which follows the same schedule as `learning_rate`. Unset: `learning_rate`. The modules start at
             `W_v = 0` on a trained backbone; with few steps a larger rate lets them move while the backbone stays
@@ -97,9 +111,15 @@ class ReTraceConfig(TrainingArguments):
     retrace_mode: str | None = field(
         default=None, metadata={"help": f"Conditioning mode, one of {RETRACE_MODES}; unset keeps the drafter's."}
     )
+    drafter_draft_vocab_size: int | None = field(
+        default=None, metadata={"help": "Fresh drafter: reduced draft vocabulary of the K most frequent response tokens."}
+    )
     # Parameters that control the data
     max_length: int = field(default=2048, metadata={"help": "Longest training sequence in tokens."})
     num_anchors: int = field(default=512, metadata={"help": "Blocks sampled per sequence per step."})
+    feature_source: str = field(
+        default="online", metadata={"help": f"Target features: one of {FEATURE_SOURCES} (cached = dataset column)."}
+    )
     # Parameters that control the training
     training_mode: str = field(default="retrace", metadata={"help": f"One of {TRAINING_MODES}."})
     block_size: int | None = field(default=None, metadata={"help": "Block size B; unset uses the drafter's."})
@@ -112,6 +132,12 @@ class ReTraceConfig(TrainingArguments):
     verification_features: str = field(
         default="faithful",
         metadata={"help": f"Correction features of the simulated round, one of {VERIFICATION_FEATURES}."},
+    )
+    loss_type: str = field(default="ce", metadata={"help": f"Block loss, one of {LOSS_TYPES}."})
+    eal_ce_weight: float = field(default=0.1, metadata={"help": "Weight of the CE inside the `eal` loss."})
+    loss_chunk_rows: int = field(default=4096, metadata={"help": "Draft-logit rows materialised at a time."})
+    max_blocks_per_forward: int | None = field(
+        default=64, metadata={"help": "Blocks per drafter forward (bounds the block mask); unset = all at once."}
     )
     retrace_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the ReTrace modules (W_c, W_v, gate); unset = learning_rate."}
@@ -153,6 +179,17 @@ class ReTraceConfig(TrainingArguments):
                 "drafter_init and drafter_anchor_broadcast configure a FRESH drafter, but drafter_name_or_path="
                 f"{self.drafter_name_or_path!r} loads one; drop them (the loaded config decides) or drop the path."
             )
+        for name in ("loss_chunk_rows", "max_blocks_per_forward", "drafter_draft_vocab_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.eal_ce_weight < 0:
+            raise ValueError(f"eal_ce_weight must be >= 0, got {self.eal_ce_weight}")
+        if self.drafter_name_or_path is not None and self.drafter_draft_vocab_size is not None:
+            raise ValueError(
+                "drafter_draft_vocab_size configures a FRESH drafter, but drafter_name_or_path loads one whose "
+                "config decides; drop one of them."
+            )
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         super().__post_init__()
@@ -163,6 +200,8 @@ class ReTraceConfig(TrainingArguments):
             "verification_features": (self.verification_features, VERIFICATION_FEATURES),
             "target_dtype": (self.target_dtype, TARGET_DTYPES),
             "drafter_init": (self.drafter_init, DRAFTER_INITS),
+            "feature_source": (self.feature_source, FEATURE_SOURCES),
+            "loss_type": (self.loss_type, LOSS_TYPES),
         }
         if self.retrace_mode is not None:
             choices["retrace_mode"] = (self.retrace_mode, RETRACE_MODES)

@@ -20,13 +20,67 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .losses import IGNORE_INDEX, block_cross_entropy, count_accepted
+from .draft_vocab import TrainingDraftHead
+from .losses import IGNORE_INDEX, count_accepted, expected_accepted_length, slot_log_likelihoods
 from .masks import build_block_mask, build_verification_mask, to_additive_mask
 from .modeling_retrace import ReTraceConditioning
-from .target_features import compute_target_features, embed_tokens, greedy_draft_ids
+from .target_features import compute_target_features, embed_tokens
 
 
 VERIFICATION_FEATURES = ("faithful", "teacher_forced")
+
+
+@dataclass
+class LossSettings:
+    """How the block loss is computed.
+
+    Attributes:
+        head ([`TrainingDraftHead`]): the frozen lm-head rows of the draft vocabulary.
+        decay_weights (`torch.Tensor` of shape `(B,)`): [`loss_decay_weights`] of the CE.
+        loss_type (`str`): `"ce"` (decayed block CE) or `"eal"` (maximise the expected accepted length, plus
+            `eal_ce_weight` x the CE).
+        chunk_rows (`int`): rows of draft logits materialised at a time.
+    """
+
+    head: TrainingDraftHead
+    decay_weights: torch.Tensor
+    loss_type: str = "ce"
+    eal_ce_weight: float = 0.1
+    chunk_rows: int = 4096
+
+
+def block_loss(hidden_states: torch.Tensor, labels: torch.LongTensor, settings: LossSettings):
+    """The block loss over supervised slots (the lm head never sees unsupervised rows).
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(b, N, B, hidden)`), labels (`torch.LongTensor` of shape
+            `(b, N, B)`, target ids, `-100` unsupervised).
+    Returns:
+        `(loss, drafts, metrics)`: scalar loss; `[b, N, B]` argmax drafts as target ids (`-1` on unsupervised
+        slots, for the acceptance metric); `{"out_of_vocab": share of supervised labels outside the draft
+        vocabulary, which are never trained on and are always rejections at inference}`.
+    """
+    head = settings.head
+    supervised = labels != IGNORE_INDEX  # [b, N, B]
+    draft_labels = head.full_to_draft[labels.clamp_min(0)]  # [b, N, B]: row in the draft vocabulary, -1 outside
+    in_vocab = supervised & (draft_labels >= 0)
+    log_likelihood, argmax = slot_log_likelihoods(
+        hidden_states[in_vocab], head.weight, draft_labels[in_vocab], settings.chunk_rows
+    )  # [M], [M]
+    weights = settings.decay_weights.to(labels.device).expand(labels.shape)[in_vocab]
+    ce = -(log_likelihood * weights).sum() / weights.sum().clamp_min(1e-6)
+    if settings.loss_type == "eal":
+        grid = log_likelihood.new_zeros(labels.shape).masked_scatter(in_vocab, log_likelihood)  # [b, N, B]
+        expected = expected_accepted_length(grid[..., 1:], in_vocab[..., 1:])  # [b, N]
+        blocks = supervised[..., 1:].any(dim=-1)
+        eal = (expected * blocks).sum() / blocks.sum().clamp_min(1)
+        loss = -eal / (labels.shape[-1] - 1) + settings.eal_ce_weight * ce
+    else:
+        loss = ce
+    drafts = torch.full_like(labels, -1)
+    drafts[in_vocab] = head.draft_to_full[argmax]
+    out_of_vocab = float((supervised & ~in_vocab).sum()) / max(float(supervised.sum()), 1.0)
+    return loss, drafts, {"out_of_vocab": out_of_vocab}
 
 
 def sample_anchor_positions(
@@ -85,35 +139,56 @@ def block_noise_ids(
 def draft_blocks(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, context_features: torch.Tensor,
     anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor, context_mask: torch.Tensor | None,
-    conditioning: ReTraceConditioning | None = None,
+    conditioning: ReTraceConditioning | None = None, max_blocks_per_forward: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One drafter forward for all `N` blocks of each sequence.
+    """Drafter forwards over the `N` blocks of each sequence, `max_blocks_per_forward` blocks at a time.
+
+    A block never sees another block (rule 3 of [`build_block_mask`]), so splitting the `N` blocks into groups changes
+    nothing in the result; it bounds the mask at `(n * B, T + n * B)` per row instead of `(N * B, T + N * B)` (for
+    the Qwen3-4B recipe, N = 512, B = 16, T = 3072: 92M entries per row) and skips the block-to-block scores that the
+    mask would discard anyway. The context projection is recomputed per group (`T` rows, cheap next to `n * B` block
+    rows through every layer).
 
     Args:
         drafter (`nn.Module`): the (possibly DDP/PEFT-wrapped) drafter; its config gives `block_size`, `mask_token_id`.
         context_features (`torch.Tensor` of shape `(batch, T, K * hidden)`): target features of all positions; the
             block mask shows each block only the ones before its anchor.
         conditioning ([`ReTraceConditioning`] with `N*B` slots, *optional*): round-2 retained suffixes.
+        max_blocks_per_forward (`int`, *optional*): blocks per drafter forward; all `N` at once when unset.
     Returns:
         `torch.Tensor` of shape `(batch, N, B, hidden)`: post-norm drafter states.
     """
     config = _unwrap(drafter).config
     batch, seq_len = input_ids.shape
-    block_size = config.block_size
-    noise_embeds = embed_tokens(target, block_noise_ids(input_ids, anchor_positions, config.mask_token_id, block_size))
-    mask = build_block_mask(anchor_positions, block_valid, seq_len, block_size, context_mask)
+    block_size, num_blocks = config.block_size, anchor_positions.shape[1]
     context_positions = token_positions(context_mask, input_ids.shape).to(input_ids.device)  # [b, T]
     slots = torch.arange(block_size, device=input_ids.device)
-    anchor_rope = torch.gather(context_positions, 1, anchor_positions.clamp(max=seq_len - 1))  # [b, N]
-    block_positions = (anchor_rope.unsqueeze(-1) + slots).flatten(1)  # [b, N*B]: p + k
-    out = drafter(
-        noise_embeds=noise_embeds,
-        context_hidden_states=context_features,
-        attention_mask=mask,
-        position_ids=torch.cat([context_positions, block_positions], dim=1),
-        rejected_trajectory=conditioning,
+    group = max_blocks_per_forward or num_blocks
+    outputs = []
+    for start in range(0, num_blocks, group):
+        anchors, valid = anchor_positions[:, start : start + group], block_valid[:, start : start + group]
+        noise_ids = block_noise_ids(input_ids, anchors, config.mask_token_id, block_size)  # [b, n*B]
+        anchor_rope = torch.gather(context_positions, 1, anchors.clamp(max=seq_len - 1))  # [b, n]
+        block_positions = (anchor_rope.unsqueeze(-1) + slots).flatten(1)  # [b, n*B]: p + k
+        out = drafter(
+            noise_embeds=embed_tokens(target, noise_ids),
+            context_hidden_states=context_features,
+            attention_mask=build_block_mask(anchors, valid, seq_len, block_size, context_mask),
+            position_ids=torch.cat([context_positions, block_positions], dim=1),
+            rejected_trajectory=_slice_conditioning(conditioning, start * block_size, noise_ids.shape[1]),
+        )
+        outputs.append(out.last_hidden_state.view(batch, -1, block_size, out.last_hidden_state.shape[-1]))
+    return torch.cat(outputs, dim=1)
+
+
+def _slice_conditioning(conditioning: ReTraceConditioning | None, start: int, rows: int):
+    if conditioning is None:
+        return None
+    return ReTraceConditioning(
+        hidden_states=conditioning.hidden_states[:, start : start + rows],
+        target_features=conditioning.target_features[:, start : start + rows],
+        slot_mask=conditioning.slot_mask[:, start : start + rows],
     )
-    return out.last_hidden_state.view(batch, -1, block_size, out.last_hidden_state.shape[-1])
 
 
 def align_rejected_trajectory(
@@ -223,24 +298,31 @@ class TrainingStepOutput:
 
 def dflash_training_step(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor, *, num_anchors: int, decay_weights: torch.Tensor, generator: torch.Generator | None = None,
+    loss_mask: torch.Tensor, *, num_anchors: int, loss: LossSettings, generator: torch.Generator | None = None,
+    features: torch.Tensor | None = None, max_blocks_per_forward: int | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
-    """The DFlash objective: one drafter forward over `N` sampled blocks per sequence, decayed block CE.
+    """The DFlash objective: drafter forwards over `N` sampled blocks per sequence, then the block loss.
 
     Args:
         input_ids, attention_mask, loss_mask (`torch.Tensor` of shape `(batch, T)`): right-padded batch.
-        decay_weights (`torch.Tensor` of shape `(B,)`): [`loss_decay_weights`].
+        loss ([`LossSettings`]): draft head, decay weights and loss type.
+        features (`torch.Tensor` of shape `(batch, T, K * hidden)`, *optional*): cached target features of the
+            drafter's `target_layer_ids`; computed by the target here when unset (online mode).
     """
     config = _unwrap(drafter).config
-    positions = token_positions(attention_mask, input_ids.shape)
-    features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask, positions)
+    if features is None:
+        positions = token_positions(attention_mask, input_ids.shape)
+        features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask, positions)
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
     labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size)
-    hidden = draft_blocks(drafter, target, input_ids, features, anchors, valid, attention_mask)
-    loss, drafts = _block_loss(hidden, labels, target.get_output_embeddings(), decay_weights)
+    hidden = draft_blocks(
+        drafter, target, input_ids, features, anchors, valid, attention_mask, max_blocks_per_forward=max_blocks_per_forward
+    )
+    value, drafts, extra = block_loss(hidden, labels, loss)
     accepted = count_accepted(drafts[..., 1:], labels[..., 1:])
-    metrics = {"loss": loss.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
-    return TrainingStepOutput(loss=loss, metrics=metrics)
+    metrics = {"loss": value.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
+    metrics["supervised_slots"] = float((labels != IGNORE_INDEX).sum())
+    return TrainingStepOutput(loss=value, metrics=metrics | extra)
 
 
 @dataclass
@@ -275,12 +357,15 @@ class SimulatedRounds:
 def simulate_retrace_rounds(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
     loss_mask: torch.Tensor, anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor,
-    verification_features: str = "faithful",
+    verification_features: str = "faithful", draft_head: TrainingDraftHead | None = None,
+    features: torch.Tensor | None = None, max_blocks_per_forward: int | None = None,
 ) -> SimulatedRounds:  # fmt: skip
     """Round 1 (no grad) at the given anchors, then round 2 (with grad) conditioned on round 1's rejected suffix.
 
     One clean target forward serves both rounds (context features of positions `< p'` are the same for the true
-    prefix) and, with `"faithful"`, its cache is the prefix of the extra forward over the drafted tails.
+    prefix) and, with `"faithful"`, its cache is the prefix of the extra forward over the drafted tails. With
+    cached `features` and `"teacher_forced"` verification features the target is not run at all. Round-1 drafts are
+    the argmax over `draft_head` (the reduced draft vocabulary when the drafter has one), as at inference.
     """
     if verification_features not in VERIFICATION_FEATURES:
         raise ValueError(
@@ -290,14 +375,20 @@ def simulate_retrace_rounds(
     block_size, layer_ids = config.block_size, config.target_layer_ids
     faithful = verification_features == "faithful"
     cache = DynamicCache(config=target.config) if faithful else None
-    positions = token_positions(attention_mask, input_ids.shape)
-    features = compute_target_features(
-        target, input_ids, layer_ids, attention_mask, positions, cache=cache, use_cache=faithful
-    )
+    if features is None or faithful:  # faithful needs the clean forward's cache as the prefix of the tails
+        positions = token_positions(attention_mask, input_ids.shape)
+        features = compute_target_features(
+            target, input_ids, layer_ids, attention_mask, positions, cache=cache, use_cache=faithful
+        )
+    if draft_head is None:
+        draft_head = TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None)
+    chunk = dict(max_blocks_per_forward=max_blocks_per_forward)
     labels = block_labels(input_ids, loss_mask, anchor_positions, block_valid, block_size)
     with torch.no_grad():  # round 1: "training detaches cached representations across rounds" (paper Sec. 3)
-        first = draft_blocks(drafter, target, input_ids, features, anchor_positions, block_valid, attention_mask)
-        drafts = greedy_draft_ids(first[:, :, 1:], target.get_output_embeddings())  # [b, N, B-1]: d_1..d_{B-1}
+        first = draft_blocks(
+            drafter, target, input_ids, features, anchor_positions, block_valid, attention_mask, **chunk
+        )
+        drafts = draft_head.greedy_ids(first[:, :, 1:])  # [b, N, B-1]: d_1..d_{B-1}
     accepted = count_accepted(drafts, labels[..., 1:]) * block_valid  # n
     next_anchors = anchor_positions + accepted + 1  # p' = p + n + 1: the target's correction anchors round 2
     next_valid = block_valid & _is_real_position(next_anchors, attention_mask)
@@ -311,14 +402,17 @@ def simulate_retrace_rounds(
         verification = teacher_forced_verification_features(features, anchor_positions, block_size)
     conditioning = align_rejected_trajectory(first, verification, accepted, next_valid)
     next_labels = block_labels(input_ids, loss_mask, next_anchors, next_valid, block_size)
-    hidden = draft_blocks(drafter, target, input_ids, features, next_anchors, next_valid, attention_mask, conditioning)
+    hidden = draft_blocks(
+        drafter, target, input_ids, features, next_anchors, next_valid, attention_mask, conditioning, **chunk
+    )
     return SimulatedRounds(first, accepted, next_anchors, next_valid, next_labels, conditioning, hidden)
 
 
 def retrace_training_step(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor, *, num_anchors: int, decay_weights: torch.Tensor, verification_features: str = "faithful",
-    generator: torch.Generator | None = None,
+    loss_mask: torch.Tensor, *, num_anchors: int, loss: LossSettings, verification_features: str = "faithful",
+    generator: torch.Generator | None = None, features: torch.Tensor | None = None,
+    max_blocks_per_forward: int | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
     """The ReTrace objective: [`simulate_retrace_rounds`] at sampled anchors, DFlash loss on round 2 (module
     docstring, DESIGN §3). Round-2 blocks with `L <= 0` train as plain DFlash blocks at `p'`.
@@ -329,31 +423,21 @@ def retrace_training_step(
     """
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
     rounds = simulate_retrace_rounds(
-        drafter, target, input_ids, attention_mask, loss_mask, anchors, valid, verification_features
-    )
-    loss, drafts = _block_loss(rounds.hidden_states, rounds.labels, target.get_output_embeddings(), decay_weights)
+        drafter, target, input_ids, attention_mask, loss_mask, anchors, valid, verification_features,
+        draft_head=loss.head, features=features, max_blocks_per_forward=max_blocks_per_forward,
+    )  # fmt: skip
+    value, drafts, extra = block_loss(rounds.hidden_states, rounds.labels, loss)
     retained = rounds.num_retained
-    metrics = {
-        "loss": loss.item(),
+    metrics = extra | {
+        "loss": value.item(),
         "acceptance": _masked_mean(count_accepted(drafts[..., 1:], rounds.labels[..., 1:]), rounds.block_valid),
         "round1_acceptance": _masked_mean(rounds.num_accepted, valid),
         "conditioned_share": _masked_mean(retained > 0, rounds.block_valid),
         "mean_retained": _masked_mean(retained, retained > 0),
         "blocks": float(rounds.block_valid.sum()),
+        "supervised_slots": float((rounds.labels != IGNORE_INDEX).sum()),
     }
-    return TrainingStepOutput(loss=loss, metrics=metrics)
-
-
-def _block_loss(hidden_states, labels, lm_head, decay_weights):
-    """Decayed block CE over supervised slots only (the lm head never sees unsupervised rows); also returns the
-    argmax drafts `[b, N, B]` (`-1` on unsupervised slots) for the acceptance metric."""
-    supervised = labels != IGNORE_INDEX
-    logits = lm_head(hidden_states[supervised].to(lm_head.weight.dtype))  # [M, V]
-    weights = decay_weights.to(labels.device).expand(labels.shape)[supervised]
-    loss = block_cross_entropy(logits, labels[supervised], weights)
-    drafts = torch.full_like(labels, -1)
-    drafts[supervised] = logits.detach().argmax(dim=-1)
-    return loss, drafts
+    return TrainingStepOutput(loss=value, metrics=metrics)
 
 
 def _is_real_position(positions: torch.LongTensor, attention_mask: torch.Tensor | None) -> torch.BoolTensor:
@@ -371,6 +455,8 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 __all__ = [
     "VERIFICATION_FEATURES",
+    "LossSettings",
+    "block_loss",
     "SimulatedRounds",
     "TrainingStepOutput",
     "align_rejected_trajectory",

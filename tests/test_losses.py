@@ -79,3 +79,49 @@ def test_block_cross_entropy_perfect_prediction_is_near_zero():
 )
 def test_count_accepted(drafts, labels, expected):
     assert count_accepted(torch.tensor([drafts]), torch.tensor([labels])).tolist() == [expected]
+
+
+def test_slot_log_likelihoods_chunked_equals_whole():
+    from hf_retrace.losses import slot_log_likelihoods
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
+    weight = torch.randn(9, 6, generator=generator)
+    labels = torch.randint(0, 9, (11,), generator=generator)
+    whole = -F.cross_entropy(hidden @ weight.T, labels, reduction="none")
+    (grad_whole,) = torch.autograd.grad(whole.sum(), hidden)
+    chunked, argmax = slot_log_likelihoods(hidden, weight, labels, chunk_rows=4)  # checkpointed chunks
+    (grad_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(grad_chunked, grad_whole)
+    assert torch.equal(argmax, (hidden @ weight.T).argmax(-1))
+
+
+def test_expected_accepted_length():
+    from hf_retrace.losses import expected_accepted_length
+
+    probs = torch.tensor([[0.5, 0.4, 0.9], [1.0, 1.0, 1.0], [0.5, 0.4, 0.9]])
+    acceptable = torch.tensor([[True, True, True], [True, True, True], [True, False, True]])
+    eal = expected_accepted_length(probs.log(), acceptable)
+    # E[n] = p1 + p1 p2 + p1 p2 p3; certain drafts accept all 3; a slot that cannot be accepted ends the chain
+    torch.testing.assert_close(eal, torch.tensor([0.5 + 0.2 + 0.18, 3.0, 0.5]))
+    # Monte Carlo check of the first row: n = number of leading successes of independent draws
+    draws = torch.rand(200_000, 3, generator=torch.Generator().manual_seed(0)) < probs[0]
+    assert abs(draws.long().cumprod(-1).sum(-1).float().mean().item() - eal[0].item()) < 0.01
+
+
+def test_block_loss_eal_and_out_of_vocabulary_labels():
+    from hf_retrace.draft_vocab import TrainingDraftHead
+    from hf_retrace.training_forward import LossSettings, block_loss
+
+    head = torch.nn.Linear(4, 10, bias=False)
+    hidden = torch.randn(1, 2, 4, 4, requires_grad=True)  # [b, N, B, H]
+    labels = torch.tensor([[[-100, 1, 4, 2], [-100, 8, -100, -100]]])  # 2 is outside the draft vocabulary
+    settings = LossSettings(TrainingDraftHead.from_lm_head(head, torch.tensor([1, 4, 8])), torch.ones(4))
+    ce, drafts, metrics = block_loss(hidden, labels, settings)
+    assert metrics["out_of_vocab"] == pytest.approx(1 / 4)
+    assert (drafts[labels == -100] == -1).all() and (drafts[..., 3] == -1).all()  # unsupervised and OOV: no draft
+    settings.loss_type, settings.eal_ce_weight = "eal", 0.0
+    eal_loss, _, _ = block_loss(hidden, labels, settings)
+    eal_loss.backward()
+    assert -1 / 3 <= eal_loss.item() <= 0 and hidden.grad.abs().sum() > 0

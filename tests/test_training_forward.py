@@ -253,3 +253,58 @@ def test_left_and_right_padding_agree(models, verification):
     torch.testing.assert_close(left.first_hidden_states, right.first_hidden_states, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(left.hidden_states, right.hidden_states, atol=1e-5, rtol=1e-5)
     assert torch.equal(left.labels, right.labels)
+
+
+def test_grouped_drafter_forwards_equal_one_forward(models):
+    """`max_blocks_per_forward`: blocks never see each other, so groups of blocks give the same states (and the
+    ReTrace round-2 conditioning is sliced with its blocks)."""
+    target, drafter = models
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 15:] = 0
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    anchors, valid = sample_anchor_positions(loss_mask, 7, torch.Generator().manual_seed(0))
+    feats = compute_target_features(target, ids, drafter.config.target_layer_ids, attention_mask)
+    with torch.no_grad():
+        whole = draft_blocks(drafter, target, ids, feats, anchors, valid, attention_mask)
+        for group in (1, 3):
+            grouped = draft_blocks(drafter, target, ids, feats, anchors, valid, attention_mask, max_blocks_per_forward=group)
+            torch.testing.assert_close(grouped, whole, atol=1e-5, rtol=1e-5)
+        rounds = [
+            simulate_retrace_rounds(drafter, target, ids, attention_mask, loss_mask, anchors, valid, "teacher_forced",
+                                    features=feats, max_blocks_per_forward=group)  # fmt: skip
+            for group in (None, 2)
+        ]
+    assert rounds[0].conditioning.slot_mask.any()
+    torch.testing.assert_close(rounds[1].hidden_states, rounds[0].hidden_states, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_features_replace_the_target(models):
+    """With cached features (and teacher-forced verification features) a step never calls the target's decoder,
+    and gives the loss of the online step."""
+    from hf_retrace.draft_vocab import TrainingDraftHead
+    from hf_retrace.losses import loss_decay_weights
+    from hf_retrace.training_forward import LossSettings, dflash_training_step
+
+    target, drafter = models
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    loss_mask = mask.clone()
+    loss_mask[:, :4] = 0
+    feats = compute_target_features(target, ids, drafter.config.target_layer_ids, mask)
+    loss = LossSettings(TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None), loss_decay_weights(B, 1.0))
+    online = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=5, loss=loss,
+                                  generator=torch.Generator().manual_seed(0))  # fmt: skip
+    calls = []
+    handle = target.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        cached = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=5, loss=loss,
+                                      generator=torch.Generator().manual_seed(0), features=feats)  # fmt: skip
+        simulate_retrace_rounds(drafter, target, ids, mask, loss_mask, *sample_anchor_positions(loss_mask, 5),
+                                "teacher_forced", features=feats)  # fmt: skip
+    finally:
+        handle.remove()
+    assert calls == []
+    torch.testing.assert_close(cached.loss, online.loss)
+    assert cached.metrics["supervised_slots"] > 0

@@ -88,7 +88,9 @@ def load_target(target: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval(), AutoTokenizer.from_pretrained(target)
 
 
-def select_prompts(name: str, count: int, seed: int, tokenizer, max_prompt_tokens: int) -> list[list[dict]]:
+def select_prompts(
+    name: str, count: int, seed: int, tokenizer, max_prompt_tokens: int, split: str | None = None
+) -> list[list[dict]]:
     """`count` prompts of `name` whose templated length is at most `max_prompt_tokens`, oversampling as needed."""
     is_procedural = name in ("gsm_symbolic", "codeio")
     if is_procedural and seed + count > EVAL_SEED_OFFSET:
@@ -97,7 +99,7 @@ def select_prompts(name: str, count: int, seed: int, tokenizer, max_prompt_token
     limit = EVAL_SEED_OFFSET - seed if is_procedural else None
     requested = count
     while True:
-        prompts = load_prompts(name, num_prompts=requested, seed=seed)
+        prompts = load_prompts(name, num_prompts=requested, seed=seed, split=split)
         kept = [p for p in prompts if len(_prompt_ids(tokenizer, p)) <= max_prompt_tokens]
         if len(kept) >= count or len(prompts) < requested or requested == limit:
             break

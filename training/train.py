@@ -71,6 +71,10 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     name = script_args.dataset_name
     if name is None:
         raise ValueError("Set `dataset_name` (e.g. `synthetic`, a saved dataset folder or a .jsonl file).")
+    if training_args.feature_source == "cached":
+        from hf_retrace.pool import load_feature_dataset
+
+        return load_feature_dataset(name, target_name=training_args.target_name_or_path).with_format("numpy")
     if name == SYNTHETIC:
         return synthetic_dataset(
             target, script_args.synthetic_num_examples, script_args.synthetic_prompt_length,
@@ -95,6 +99,41 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
 
+def response_token_ids(dataset):
+    """Response tokens of every training row (after `prompt_length`, or where `loss_mask` is 1)."""
+    if "prompt_length" in dataset.column_names:
+        for ids, start in zip(dataset["input_ids"], dataset["prompt_length"]):
+            yield ids[int(start) :]
+    else:
+        for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+            yield [t for t, m in zip(ids, mask) if m]
+
+
+def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
+    """Gives a fresh drafter the reduced draft vocabulary of the `size` most frequent response tokens."""
+    from hf_retrace.draft_vocab import coverage, most_frequent_tokens
+
+    columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
+    ids = most_frequent_tokens(response_token_ids(columns), size)
+    drafter.set_draft_vocab(ids)
+    print(f"draft vocabulary: {size} tokens cover {coverage(response_token_ids(columns), ids):.2%} of the responses")
+
+
+def feature_collator(dataset, drafter, training_args: ReTraceConfig):
+    """[`DataCollatorWithFeatures`] for a feature cache, `None` (the trainer's default collator) otherwise."""
+    if training_args.feature_source != "cached":
+        return None
+    import json
+
+    from hf_retrace.data import DataCollatorWithFeatures
+
+    meta = json.loads(dataset.info.description)
+    return DataCollatorWithFeatures(
+        cache_layer_ids=meta["layer_ids"], layer_ids=drafter.config.target_layer_ids, hidden_size=meta["hidden_size"],
+        max_length=training_args.max_length,
+    )  # fmt: skip
+
+
 def lora_config(model_args: ModelConfig):
     """LoRA on the drafter backbone from TRL's `ModelConfig` (`--use_peft`), or `None`."""
     if not model_args.use_peft:
@@ -115,8 +154,11 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
     target, tokenizer = load_target(training_args.target_name_or_path, training_args.target_dtype)
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
     dataset = load_training_dataset(script_args, training_args, target, tokenizer)
+    if training_args.drafter_draft_vocab_size is not None:
+        set_draft_vocab_from_dataset(drafter, dataset, training_args.drafter_draft_vocab_size)
     trainer = ReTraceTrainer(
-        model=drafter, target=target, args=training_args, train_dataset=dataset, peft_config=lora_config(model_args)
+        model=drafter, target=target, args=training_args, train_dataset=dataset, peft_config=lora_config(model_args),
+        data_collator=feature_collator(dataset, drafter, training_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)

@@ -191,24 +191,34 @@ def make_candidate_generator(target, drafter, input_ids, generation_config, logi
     return generator_cls(
         assistant_model=drafter,
         main_model_input_embeddings=target.get_input_embeddings(),
-        main_model_output_embeddings=draft_lm_head(target.get_output_embeddings(), drafter.config.draft_logits_dtype),
+        main_model_output_embeddings=draft_lm_head(
+            target.get_output_embeddings(), drafter.config.draft_logits_dtype, getattr(drafter, "draft_vocab_ids", None)
+        ),
         generation_config=generation_config,
         logits_processor=logits_processor,
     )
 
 
 class DraftLMHead(nn.Module):
-    """A cast copy of the target's lm head that scores drafts only (`config.draft_logits_dtype`).
+    """A copy of the target's lm head that scores drafts only: cast to `config.draft_logits_dtype` and/or restricted
+    to the `K` rows of the reduced draft vocabulary (`draft_vocab_ids`).
 
-    Logits come back in the target head's dtype, so the candidate sampler and the speculative-sampling acceptance
-    test read the very same draft distribution `q` (any `q` keeps speculative sampling exact).
+    Logits come back in the target head's dtype over the FULL vocabulary (`-inf` outside the draft vocabulary), so
+    the candidate sampler and the speculative-sampling acceptance test read the very same draft distribution `q`,
+    which is 0 outside the draft vocabulary and positive on every drafted token (any such `q` keeps speculative
+    sampling exact; the residual `max(p - q, 0)` spans the full vocabulary).
     """
 
-    def __init__(self, lm_head: nn.Linear, dtype: torch.dtype):
+    def __init__(self, lm_head: nn.Linear, dtype: torch.dtype, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         self.out_dtype = lm_head.weight.dtype
-        self.register_buffer("weight", lm_head.weight.detach().to(dtype), persistent=False)  # [V, H]
-        bias = getattr(lm_head, "bias", None)
+        self.vocab_size = lm_head.weight.shape[0]
+        weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+        if vocab_ids is not None:
+            vocab_ids = vocab_ids.to(weight.device)
+            weight, bias = weight[vocab_ids], None if bias is None else bias.detach()[vocab_ids]
+        self.register_buffer("vocab_ids", vocab_ids, persistent=False)  # [K] or None
+        self.register_buffer("weight", weight.to(dtype), persistent=False)  # [K or V, H]
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -217,24 +227,31 @@ class DraftLMHead(nn.Module):
         # 3-D strides, which takes a slow CPU matmul path (136 ms vs 8 ms for 15 rows of SmolLM2's 49152 x 576 head,
         # 1 thread; `benchmarks/draft_logits_cost.py`). The fp32 target head takes ~51 ms.
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.weight.dtype)  # [b*q, H]
-        logits = nn.functional.linear(flat, self.weight, self.bias)  # [b*q, V]
-        return logits.view(*hidden_states.shape[:-1], -1).to(self.out_dtype)
+        logits = nn.functional.linear(flat, self.weight, self.bias).to(self.out_dtype)  # [b*q, K or V]
+        if self.vocab_ids is not None:  # scatter the K draft-vocabulary logits into a -inf full-vocabulary row
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.vocab_ids, logits)
+        return logits.view(*hidden_states.shape[:-1], -1)
 
 
 _DRAFT_HEADS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def draft_lm_head(lm_head: nn.Module, dtype_name: str | None) -> nn.Module:
-    """`lm_head` itself, or a cached [`DraftLMHead`] in `dtype_name` (rebuilt when the weights change in place)."""
-    if dtype_name is None or getattr(lm_head, "weight", None) is None:
+def draft_lm_head(lm_head: nn.Module, dtype_name: str | None, vocab_ids: torch.Tensor | None = None) -> nn.Module:
+    """`lm_head` itself, or a cached [`DraftLMHead`] in `dtype_name` restricted to `vocab_ids` (rebuilt when the
+    weights or the ids change)."""
+    if getattr(lm_head, "weight", None) is None:
+        if vocab_ids is not None:
+            raise ValueError("a reduced draft vocabulary needs a target lm head with a `weight` (an nn.Linear)")
         return lm_head
-    dtype = getattr(torch, dtype_name)
-    if lm_head.weight.dtype == dtype:
+    dtype = getattr(torch, dtype_name) if dtype_name is not None else lm_head.weight.dtype
+    if lm_head.weight.dtype == dtype and vocab_ids is None:
         return lm_head
-    key = (dtype, lm_head.weight.data_ptr(), lm_head.weight._version)
+    ids_key = None if vocab_ids is None else (vocab_ids.data_ptr(), vocab_ids._version, len(vocab_ids))
+    key = (dtype, lm_head.weight.data_ptr(), lm_head.weight._version, ids_key)
     cached = _DRAFT_HEADS.get(lm_head)
     if cached is None or cached[0] != key:
-        cached = (key, DraftLMHead(lm_head, dtype))
+        cached = (key, DraftLMHead(lm_head, dtype, vocab_ids))
         _DRAFT_HEADS[lm_head] = cached
     return cached[1]
 

@@ -252,6 +252,10 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         self.retrace = ReTraceTrajectoryEncoder(config)
         # `config.anchor_broadcast`; absent otherwise, so DFlash state dicts keep their exact keys
         self.anchor_broadcast = AnchorBroadcast(config) if config.anchor_broadcast else None
+        if config.draft_vocab_size is not None:  # `[K]` target token ids the drafter scores; set by `set_draft_vocab`
+            self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab_ids = None
         self.last_generation_stats = None
         self.post_init()
         _install_generate_hook()
@@ -270,6 +274,21 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         if mode not in RETRACE_MODES:
             raise ValueError(f"retrace_mode must be one of {RETRACE_MODES}, got {mode!r}")
         self.config.retrace_mode = mode
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Sets the reduced draft vocabulary: `token_ids` (`K` distinct target ids, e.g. the most frequent tokens of
+        the training responses), stored sorted in the `draft_vocab_ids` buffer; `config.draft_vocab_size = K`."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        if len(ids) != len(token_ids) or len(ids) == 0:
+            raise ValueError(f"draft vocabulary ids must be distinct and non-empty, got {len(token_ids)} ids")
+        if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, vocab_size={self.config.vocab_size})")
+        self.config.draft_vocab_size = len(ids)
+        if isinstance(self.draft_vocab_ids, torch.Tensor):
+            del self._buffers["draft_vocab_ids"]
+        else:
+            del self.draft_vocab_ids  # the plain `None` attribute of a full-vocabulary drafter
+        self.register_buffer("draft_vocab_ids", ids.to(self.fc.weight.device), persistent=True)
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """`[b, T, len(target_layer_ids) * H]` concatenated target features -> `[b, T, H]` drafter context."""

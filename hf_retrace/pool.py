@@ -1,0 +1,267 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""The drafter's training pool: the target's greedy responses, stored twice.
+
+- **Tokens** (`<pool_dir>/tokens/shard_*.npz`): prompt and response ids as compressed uint16, a few MB per million
+  tokens, small enough to commit. They are what took hours to make.
+- **Features** (`<feature_dir>/shard_*`, `datasets` folders, memory-mapped Arrow): the target hidden states of
+  `layer_ids` for every token, bf16 (stored as its uint16 bits; Arrow has no bf16), ~1.2 KB per layer and token. Big
+  and rebuildable: [`cache_pool_features`] recomputes any missing shard from the token shards.
+
+[`build_pool`] makes both at once with [`ContinuousBatchGenerator`] (the features are captured while decoding, for
+free) and resumes: prompts whose row is already in a token shard are skipped; rows in flight when it stopped are
+regenerated.
+"""
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_datasets, load_from_disk
+from transformers.utils import logging
+
+from .continuous_generation import ContinuousBatchGenerator, GeneratedRow, PromptItem
+from .target_features import compute_target_features
+
+
+logger = logging.get_logger(__name__)
+
+FEATURE_META = "feature_cache.json"
+
+
+def pool_prompt_stream(sources: dict[str, list[list[int]]]) -> list[PromptItem]:
+    """Interleaves per-source prompt lists so that every prefix of the stream keeps the sources' proportions.
+
+    Item `i` of a source with `n` prompts sorts at `(i + 0.5) / n`; ties break by source order. Indices are stream
+    positions, so they are stable as long as `sources` is.
+    """
+    keyed = []
+    for order, (name, prompts) in enumerate(sources.items()):
+        keyed += [((i + 0.5) / len(prompts), order, name, ids) for i, ids in enumerate(prompts)]
+    keyed.sort(key=lambda k: k[:2])
+    return [PromptItem(index, name, ids) for index, (_, _, name, ids) in enumerate(keyed)]
+
+
+def read_token_shards(pool_dir: str | os.PathLike) -> list[dict]:
+    """All rows of the token shards: dicts with `index`, `source`, `prompt_ids`, `response_ids`, `finished`,
+    `shard`."""
+    rows = []
+    for path in sorted((Path(pool_dir) / "tokens").glob("shard_*.npz")):
+        with np.load(path) as data:
+            bounds = np.concatenate([[0], np.cumsum(data["prompt_length"] + data["response_length"])])
+            sources = [str(s) for s in data["source"]]
+            for r in range(len(data["index"])):
+                tokens = data["tokens"][bounds[r] : bounds[r + 1]].astype(np.int64).tolist()
+                p = int(data["prompt_length"][r])
+                rows.append(dict(index=int(data["index"][r]), source=sources[r], prompt_ids=tokens[:p],
+                                 response_ids=tokens[p:], finished=bool(data["finished"][r]), shard=path.stem))  # fmt: skip
+    return rows
+
+
+def _write_token_shard(path: Path, rows: list[GeneratedRow]) -> None:
+    tokens = np.concatenate([np.asarray(r.prompt_ids + r.response_ids, dtype=np.uint16) for r in rows])
+    tmp = path.with_name(f".{path.stem}.tmp.npz")
+    np.savez_compressed(
+        tmp, index=np.array([r.index for r in rows], dtype=np.int64), source=np.array([r.source for r in rows]),
+        prompt_length=np.array([len(r.prompt_ids) for r in rows], dtype=np.int64),
+        response_length=np.array([len(r.response_ids) for r in rows], dtype=np.int64),
+        finished=np.array([r.finished for r in rows]), tokens=tokens,
+    )  # fmt: skip
+    os.replace(tmp, path)  # atomic: an interrupted write never leaves a half shard
+
+
+def _feature_schema(width: int) -> Features:
+    return Features({
+        "index": Value("int64"), "input_ids": Sequence(Value("int32")), "prompt_length": Value("int32"),
+        "features": Array2D(shape=(None, width), dtype="uint16"),
+    })  # fmt: skip
+
+
+def _write_feature_shard(path: Path, rows: list[GeneratedRow]) -> None:
+    """`features` bf16 `[n, F]` per row, stored as the uint16 bit pattern (viewed back by the collator)."""
+    width = rows[0].features.shape[1]
+    data = {
+        "index": [r.index for r in rows],
+        "input_ids": [r.prompt_ids + r.response_ids for r in rows],
+        "prompt_length": [len(r.prompt_ids) for r in rows],
+        "features": [r.features.to(torch.bfloat16).view(torch.uint16).numpy() for r in rows],
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    Dataset.from_dict(data, features=_feature_schema(width)).save_to_disk(str(tmp))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _write_feature_meta(feature_dir: Path, target_name: str, layer_ids: list[int], hidden_size: int) -> None:
+    meta = {"target": target_name, "layer_ids": list(layer_ids), "hidden_size": hidden_size, "dtype": "bfloat16"}
+    path = feature_dir / FEATURE_META
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != meta:
+            raise ValueError(
+                f"{feature_dir} holds features of {old}, not of {meta}; use another --feature-dir or delete it."
+            )
+        return
+    feature_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=2))
+
+
+def build_pool(
+    target, prompt_stream: list[PromptItem], pool_dir, feature_dir=None, *, eos_token_ids: set[int],
+    layer_ids: list[int], target_name: str, batch_size: int = 64, max_new_tokens: int = 256, shard_rows: int = 256,
+    max_response_tokens: int | None = None, pad_token_id: int = 0,
+) -> int:  # fmt: skip
+    """Generates the pool (tokens and, with `feature_dir`, features) resumably; returns its response-token count.
+
+    Args:
+        prompt_stream (`list[PromptItem]`): e.g. from [`pool_prompt_stream`]; must be the same list on resume.
+        pool_dir, feature_dir (`str` or `os.PathLike`): token shards (small, committable) and feature shards.
+        eos_token_ids (`set[int]`): end-of-response tokens.
+        layer_ids (`list[int]`): 0-based target layers to capture (a superset of what the drafters read).
+        target_name (`str`): the identity the feature cache is keyed by, with `layer_ids`.
+        shard_rows (`int`): finished rows per shard (the unit of checkpointing).
+        max_response_tokens (`int`, *optional*): stop once the pool holds this many response tokens.
+    """
+    tokens_dir = Path(pool_dir) / "tokens"
+    tokens_dir.mkdir(parents=True, exist_ok=True)
+    if feature_dir is not None:
+        feature_dir = Path(feature_dir)
+        _write_feature_meta(feature_dir, target_name, layer_ids, target.config.get_text_config().hidden_size)
+    done = read_token_shards(pool_dir)
+    total = sum(len(r["response_ids"]) for r in done)
+    finished_ids = {r["index"] for r in done}
+    todo = [item for item in prompt_stream if item.index not in finished_ids]
+    logger.warning(f"pool: {len(done)} rows ({total} response tokens) already in {tokens_dir}; {len(todo)} to go")
+    next_shard = len(list(tokens_dir.glob("shard_*.npz")))
+    generator = ContinuousBatchGenerator(
+        target, eos_token_ids, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        layer_ids=layer_ids if feature_dir is not None else None, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    buffer, start = [], time.perf_counter()
+    for row in generator.generate(_until(todo, lambda: max_response_tokens is not None and total >= max_response_tokens)):
+        buffer.append(row)
+        total += len(row.response_ids)
+        if len(buffer) == shard_rows:
+            _flush(buffer, tokens_dir, feature_dir, next_shard)
+            next_shard, buffer = next_shard + 1, []
+            rate = generator.generated_tokens / (time.perf_counter() - start)
+            logger.warning(f"pool: shard {next_shard - 1} written; {total} response tokens, {rate:.0f} tok/s")
+    if buffer:
+        _flush(buffer, tokens_dir, feature_dir, next_shard)
+    return total
+
+
+def _until(items: list[PromptItem], stop) -> Iterator[PromptItem]:
+    for item in items:
+        if stop():
+            return
+        yield item
+
+
+def _flush(rows: list[GeneratedRow], tokens_dir: Path, feature_dir: Path | None, shard: int) -> None:
+    rows = sorted(rows, key=lambda r: r.index)
+    if feature_dir is not None:  # features first: a token shard never exists without its features from this run
+        _write_feature_shard(feature_dir / f"shard_{shard:05d}", rows)
+    _write_token_shard(tokens_dir / f"shard_{shard:05d}.npz", rows)
+
+
+@torch.no_grad()
+def cache_pool_features(
+    target, pool_dir, feature_dir, *, layer_ids: list[int], target_name: str, batch_tokens: int = 8192
+) -> list[str]:
+    """Computes the features of every token shard that has none in `feature_dir` (batched prefill, longest rows
+    first, up to `batch_tokens` padded tokens per forward); returns the shards it wrote. Resumable per shard."""
+    feature_dir = Path(feature_dir)
+    _write_feature_meta(feature_dir, target_name, layer_ids, target.config.get_text_config().hidden_size)
+    by_shard: dict[str, list[dict]] = {}
+    for row in read_token_shards(pool_dir):
+        by_shard.setdefault(row["shard"], []).append(row)
+    written = []
+    for shard, rows in sorted(by_shard.items()):
+        if (feature_dir / shard / "dataset_info.json").is_file():
+            continue
+        generated = [GeneratedRow(r["index"], r["source"], r["prompt_ids"], r["response_ids"], r["finished"]) for r in rows]
+        for batch in _length_batches(generated, batch_tokens):
+            _prefill_features(target, batch, layer_ids)
+        _write_feature_shard(feature_dir / shard, generated)
+        written.append(shard)
+        logger.warning(f"features: {shard} ({len(rows)} rows) written to {feature_dir}")
+    return written
+
+
+def _length_batches(rows: list[GeneratedRow], batch_tokens: int) -> Iterator[list[GeneratedRow]]:
+    ordered = sorted(rows, key=lambda r: -(len(r.prompt_ids) + len(r.response_ids)))
+    batch = []
+    for row in ordered:
+        width = len(batch[0].prompt_ids) + len(batch[0].response_ids) if batch else 0
+        if batch and (len(batch) + 1) * width > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(row)
+    if batch:
+        yield batch
+
+
+def _prefill_features(target, rows: list[GeneratedRow], layer_ids: list[int]) -> None:
+    """Sets `row.features` from one right-padded forward; the last token's row is zeroed as in generation."""
+    sequences = [r.prompt_ids + r.response_ids for r in rows]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
+    device = next(target.parameters()).device
+    feats = compute_target_features(target, input_ids.to(device), layer_ids, mask.to(device))
+    for i, (row, seq) in enumerate(zip(rows, sequences)):
+        row.features = feats[i, : len(seq)].to(torch.bfloat16).cpu().clone()
+        row.features[-1] = 0
+
+
+def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target_name: str | None = None) -> Dataset:
+    """The cached features as one memory-mapped `Dataset` (`index`, `input_ids`, `prompt_length`, `features`).
+
+    Raises:
+        `ValueError`: the folder has no feature cache, or it was made for another target, or lacks a layer the
+            drafter reads.
+    """
+    feature_dir = Path(feature_dir)
+    meta_path = feature_dir / FEATURE_META
+    if not meta_path.is_file():
+        raise ValueError(
+            f"{feature_dir} is not a feature cache (no {FEATURE_META}); build it with "
+            "`python training/build_pool.py` or `python training/build_pool.py --features-only`."
+        )
+    meta = json.loads(meta_path.read_text())
+    if target_name is not None and meta["target"] != target_name:
+        raise ValueError(f"{feature_dir} holds features of target {meta['target']!r}, not of {target_name!r}.")
+    missing = sorted(set(layer_ids or []) - set(meta["layer_ids"]))
+    if missing:
+        raise ValueError(
+            f"the drafter reads target layers {layer_ids} but {feature_dir} caches only {meta['layer_ids']} "
+            f"(missing {missing}); rebuild the cache with those layers or use feature_source='online'."
+        )
+    shards = sorted(p for p in feature_dir.glob("shard_*") if (p / "dataset_info.json").is_file())
+    if not shards:
+        raise ValueError(f"{feature_dir} has no finished feature shard yet.")
+    dataset = concatenate_datasets([load_from_disk(str(p)) for p in shards])
+    dataset.info.description = json.dumps(meta)
+    return dataset
+
+
+def feature_cache_meta(feature_dir) -> dict:
+    return json.loads((Path(feature_dir) / FEATURE_META).read_text())
+
+
+__all__ = [
+    "build_pool",
+    "cache_pool_features",
+    "feature_cache_meta",
+    "load_feature_dataset",
+    "pool_prompt_stream",
+    "read_token_shards",
+]

@@ -1,0 +1,77 @@
+# /// script
+# dependencies = ["hf-retrace[train,eval,assets]"]
+# ///
+"""Builds the drafter's training pool with a batch kept full: token shards (small, committable) and the target's
+features (big, rebuildable), resumably. `hf_retrace.pool` documents the formats.
+
+```bash
+# the SmolLM2 pool (~1M response tokens, fp32 greedy); rerun the same command to resume
+python training/build_pool.py --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features
+# on a fresh machine with the committed token shards: rebuild only the features
+python training/build_pool.py --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only
+```
+
+Prompt seeds: reasoning-gym sets use seeds `--seed ..` (below `EVAL_SEED_OFFSET`); `stdlib` and `open_ended` use their
+`train` split, whose items never appear in the `eval` split that the bench reads.
+"""
+
+import argparse
+import logging
+
+import torch
+
+from generate_data import load_target, parse_mix, select_prompts
+from hf_retrace.data import _prompt_ids
+from hf_retrace.pool import build_pool, cache_pool_features, pool_prompt_stream
+
+
+DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
+FINITE_SETS = ("stdlib", "open_ended")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a path")
+    parser.add_argument("--mix", default=DEFAULT_MIX, help="comma-separated name:num_prompts")
+    parser.add_argument("--pool-dir", default="data/smollm2-pool", help="token shards (commit these)")
+    parser.add_argument("--feature-dir", default="data_cache/smollm2-features", help="feature shards (big)")
+    parser.add_argument("--layer-ids", default="1,14,27", help="target layers to cache (a superset of the drafters')")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=640)
+    parser.add_argument("--batch-size", type=int, default=64, help="decoding slots kept full")
+    parser.add_argument("--shard-rows", type=int, default=256, help="rows per checkpoint shard")
+    parser.add_argument("--max-response-tokens", type=int, default=None, help="stop once the pool holds this many")
+    parser.add_argument("--seed", type=int, default=0, help="first prompt seed of the reasoning-gym sets")
+    parser.add_argument("--features-only", action="store_true", help="only compute missing feature shards")
+    parser.add_argument("--no-features", action="store_true", help="tokens only (features later, --features-only)")
+    parser.add_argument("--num-threads", type=int, default=None)
+    return parser
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    target, tokenizer = load_target(args.target, torch.float32)  # fp32: the bench's target, and faster on CPU
+    layer_ids = [int(i) for i in args.layer_ids.split(",")]
+    if args.features_only:
+        cache_pool_features(target, args.pool_dir, args.feature_dir, layer_ids=layer_ids, target_name=args.target)
+        return
+    sources = {}
+    for name, count in parse_mix(args.mix):
+        split = "train" if name in FINITE_SETS else None
+        prompts = select_prompts(name, count, args.seed, tokenizer, args.max_prompt_tokens, split=split)
+        sources[name] = [_prompt_ids(tokenizer, p) for p in prompts]
+    eos = target.generation_config.eos_token_id
+    eos = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    total = build_pool(
+        target, pool_prompt_stream(sources), args.pool_dir, None if args.no_features else args.feature_dir,
+        eos_token_ids=eos, layer_ids=layer_ids, target_name=args.target, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, shard_rows=args.shard_rows, max_response_tokens=args.max_response_tokens,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )  # fmt: skip
+    logging.getLogger("build_pool").warning(f"done: {total} response tokens in {args.pool_dir}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    main(make_parser().parse_args())
