@@ -1,123 +1,161 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""Training throughput of a recipe: DFlash steps vs ReTrace steps (faithful and teacher-forced verification features).
+"""Drafter-training throughput in supervised draft slots per second, across recipes and across commits, in one run.
 
-Each mode runs in its own process (so peak memory is per mode) for `--warmup + --steps` full optimizer steps of
-[`ReTraceTrainer`] on fixed-shape random batches (prompt = first quarter, response = the rest), and reports the
-timed steps' training tokens/s, blocks/s and peak memory (CUDA peak allocated on GPU, peak RSS on CPU).
+A supervised draft slot is a block slot with a label (`block_labels(...) != -100`); slots per second (summed over
+the batch, per optimizer-step wall time including data loading) compare fairly across block sizes, anchor counts and
+batch sizes. Each run is `--warmup + --steps` real [`ReTraceTrainer`] steps of a recipe on rows of the SmolLM2 pool,
+in its own process. A run spec is `LABEL:REF:RECIPE[:OVERRIDES]`: `REF` is `.` for this working tree or any git
+revision, checked out in a temporary `git worktree` and imported from there (so the old commit's own trainer is
+timed); OVERRIDES are `key=value` pairs joined by `,`. Runs are interleaved over `--rounds` (the machine is noisy).
 
-Usage:
-    python benchmarks/train_throughput.py                                   # SmolLM2 recipe, 3 timed steps each
-    python benchmarks/train_throughput.py --config training/recipes/tiny.yaml --batch-size 4 --seq-len 32
+Usage (the comparison of the drafter issue: the old SmolLM2 recipe at the last commit before it, against the
+cached-feature recipe):
+
+```bash
+python benchmarks/train_throughput.py \
+    --run old:915834a:training/recipes/smollm2-135m-dflash.yaml \
+    --run new:.:training/recipes/smollm2-135m-dflash-cached.yaml
+```
+
+`dflash` training mode only (ReTrace steps call `block_labels` for both simulated rounds).
 """
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-from datasets import Dataset
-from transformers import TrainerCallback
-
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {  # name -> recipe overrides
-    "dflash": {"training_mode": "dflash"},
-    "retrace": {"training_mode": "retrace", "verification_features": "faithful"},
-    "retrace-teacher-forced": {"training_mode": "retrace", "verification_features": "teacher_forced"},
-}
 
 
-class _StepTimer(TrainerCallback):
-    def __init__(self, trainer, warmup: int):
-        self.trainer, self.warmup, self.times, self.blocks = trainer, warmup, [], []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self.start)
-            self.blocks.append(self.trainer._metrics["train"]["blocks"][-1])
-
-
-def _random_dataset(vocab: int, rows: int, seq_len: int, seed: int) -> Dataset:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (rows, seq_len), generator=generator)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, seq_len // 4 :] = 1
-    return Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": loss_mask.tolist()})
-
-
-def run_mode(config: str, mode: str, steps: int, warmup: int, batch_size: int, seq_len: int) -> dict:
-    """One mode in this process; returns its measurements."""
-    sys.path.insert(0, str(ROOT / "training"))
-    from train import make_parser
+def _worker(args) -> dict:
+    """One run inside the tree `args.root` (its own `hf_retrace` and `training/train.py`)."""
+    sys.path[:0] = [args.root, os.path.join(args.root, "training")]
+    import hf_retrace.training_forward as forward
+    from train import main, make_parser
+    from transformers import TrainerCallback
 
     from hf_retrace.trainer import ReTraceTrainer
-    from hf_retrace.training_setup import init_drafter, load_target
 
-    overrides = [f"--{k}={v}" for k, v in MODES[mode].items()]
-    _, args, model_args = make_parser().parse_args_and_config(
-        ["--config", config, "--output_dir", "/tmp/retrace-throughput", "--max_steps", str(warmup + steps),
+    slots, ends = [], []
+    original_labels = forward.block_labels
+
+    def counting_labels(*a, **k):
+        labels = original_labels(*a, **k)
+        slots.append(int((labels != -100).sum()))
+        return labels
+
+    forward.block_labels = counting_labels
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    original_init = ReTraceTrainer.__init__
+
+    def init(self, *a, **k):
+        original_init(self, *a, **k)
+        self.add_callback(StepEnd())
+
+    ReTraceTrainer.__init__ = init
+    overrides = [f"--{item}" for item in args.overrides.split(",") if item] if args.overrides else []
+    script_args, training_args, model_args = make_parser().parse_args_and_config(
+        ["--config", args.recipe, "--output_dir", tempfile.mkdtemp(), "--max_steps", str(args.warmup + args.steps),
          "--save_strategy", "no", "--logging_steps", "100000", "--report_to", "none", "--disable_tqdm", "true",
-         "--per_device_train_batch_size", str(batch_size), *overrides]
+         "--dataset_name", args.dataset, *overrides]
     )  # fmt: skip
-    target, _ = load_target(args.target_name_or_path, args.target_dtype)
-    if args.drafter_name_or_path and not Path(args.drafter_name_or_path).exists():
-        args.drafter_name_or_path = None  # the recipe's init drafter is not trained yet: time a fresh one
-    drafter = init_drafter(args, target, model_args.model_name_or_path)
-    vocab = target.config.get_text_config().vocab_size
-    dataset = _random_dataset(vocab, batch_size * (warmup + steps), seq_len, args.seed)
-    trainer = ReTraceTrainer(model=drafter, target=target, args=args, train_dataset=dataset)
-    timer = _StepTimer(trainer, warmup)
-    trainer.add_callback(timer)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    seconds = sum(timer.times)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024  # fmt: skip
+    start = time.perf_counter()
+    main(script_args, training_args, model_args)
+    timed = [b - a for a, b in zip(ends[args.warmup - 1 : -1], ends[args.warmup :])] if args.warmup else []
+    timed_slots = slots[args.warmup : args.warmup + len(timed)]
     return {
-        "mode": mode, "steps": len(timer.times), "s_per_step": seconds / len(timer.times),
-        "tokens_per_s": batch_size * seq_len * len(timer.times) / seconds, "blocks_per_s": sum(timer.blocks) / seconds,
-        "peak_memory_gib": peak / 2**30, "device": str(trainer.args.device), "num_anchors": args.num_anchors,
-        "block_size": drafter.config.block_size, "target_layer_ids": drafter.config.target_layer_ids,
+        "s_per_step": sum(timed) / len(timed), "slots_per_step": sum(timed_slots) / len(timed_slots),
+        "slots_per_s": sum(timed_slots) / sum(timed), "wall_s": time.perf_counter() - start,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }  # fmt: skip
+
+
+def _tokenized_pool(pool_dir: Path, rows: int, out: Path) -> Path:
+    """The first `rows` pool rows as a tokenized `datasets` folder (`input_ids`, `loss_mask`) for online recipes."""
+    from datasets import Dataset
+
+    from hf_retrace.pool import read_token_shards
+
+    records = read_token_shards(pool_dir)[:rows]
+    Dataset.from_dict({
+        "input_ids": [r["prompt_ids"] + r["response_ids"] for r in records],
+        "loss_mask": [[0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"]) for r in records],
+    }).save_to_disk(str(out))  # fmt: skip
+    return out
+
+
+def _tree(ref: str, scratch: Path) -> Path:
+    if ref == ".":
+        return ROOT
+    path = scratch / f"worktree-{ref}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref], check=True,
+                       capture_output=True)  # fmt: skip
+    return path
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(ROOT / "training" / "recipes" / "smollm2-135m-dflash.yaml"))
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
+    parser.add_argument("--run", action="append", required=True, help="LABEL:REF:RECIPE[:OVERRIDES]")
+    parser.add_argument("--pool", default=str(ROOT / "data" / "smollm2-pool"), help="token shards")
+    parser.add_argument("--features", default=str(ROOT / "data_cache" / "smollm2-features"), help="feature cache")
+    parser.add_argument("--rows", type=int, default=256, help="pool rows given to online recipes")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of every run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("root", "recipe", "dataset", "overrides"):
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.mode:
-        print(json.dumps(run_mode(args.config, args.mode, args.steps, args.warmup, args.batch_size, args.seq_len)))
+    if args.worker:
+        print(json.dumps(_worker(args)))
         return
-    print(f"recipe {args.config}: batch {args.batch_size} x {args.seq_len} tokens, {args.steps} timed steps per mode")
-    print(f"{'mode':<24}{'s/step':>9}{'tokens/s':>11}{'blocks/s':>10}{'peak GiB':>10}")
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            print(f"{mode:<24} failed:\n{out.stderr[-2000:]}")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1 (the first step's end is the timing origin)")
+    scratch = Path(tempfile.mkdtemp(prefix="hf_retrace-throughput-"))
+    tokenized = _tokenized_pool(Path(args.pool), args.rows, scratch / "tokenized")
+    specs = []
+    for spec in args.run:
+        parts = spec.split(":", 3)
+        if len(parts) < 3:
+            parser.error(f"--run must be LABEL:REF:RECIPE[:OVERRIDES], got {spec!r}")
+        label, ref, recipe = parts[:3]
+        specs.append((label, _tree(ref, scratch), recipe, parts[3] if len(parts) == 4 else ""))
+    results = {label: [] for label, *_ in specs}
+    for _ in range(args.rounds):
+        for label, tree, recipe, overrides in specs:
+            cached = "feature_source=cached" in overrides or "cached" in Path(recipe).name
+            cmd = [sys.executable, __file__, "--worker", "--root", str(tree), "--recipe", recipe, "--steps",
+                   str(args.steps), "--warmup", str(args.warmup), "--overrides", overrides,
+                   "--dataset", args.features if cached else str(tokenized)]  # fmt: skip
+            env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1")
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env, check=False)
+            if out.returncode != 0:
+                print(f"{label} failed:\n{out.stderr[-3000:]}")
+                continue
+            results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  {label}: {results[label][-1]}", flush=True)
+    print(f"\n{'run':<10}{'s/step':>9}{'slots/step':>12}{'slots/s':>10}{'x first':>9}{'peak GiB':>10}")
+    base = None
+    for label, runs in results.items():
+        if not runs:
             continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{mode:<24}{r['s_per_step']:>9.2f}{r['tokens_per_s']:>11.0f}{r['blocks_per_s']:>10.1f}"
-              f"{r['peak_memory_gib']:>10.2f}")  # fmt: skip
-    print(
-        f"(device {r['device']}, block {r['block_size']}, {r['num_anchors']} anchors/sequence, "
-        f"target layers {r['target_layer_ids']}; blocks = trained blocks, round 2 for ReTrace)"
-    )
+        rate = sum(r["slots_per_s"] for r in runs) / len(runs)
+        base = base or rate
+        print(f"{label:<10}{sum(r['s_per_step'] for r in runs) / len(runs):>9.2f}"
+              f"{sum(r['slots_per_step'] for r in runs) / len(runs):>12.0f}{rate:>10.0f}{rate / base:>9.2f}"
+              f"{max(r['peak_rss_gib'] for r in runs):>10.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from .bench_stats import paired_tau_table
 from .bench_timing import ConditioningTimer, TargetCycleRecorder
 from .configuration_retrace import RETRACE_MODES
 from .modeling_retrace import ReTraceDrafterModel
-from .prompts import EVAL_SEED_OFFSET, load_prompts
+from .prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
 
 
 DEFAULT_LOOKUP_TOKENS = 10
@@ -147,7 +147,9 @@ def encode_prompt_set(name: str, count: int | None, tokenizer, seed: int) -> lis
         return [torch.tensor([record["input_ids"]], dtype=torch.long) for record in records[:count]]
     if tokenizer is None:
         raise ValueError(f"prompt set {name!r} is text but the target has no tokenizer; use a .jsonl of input_ids")
-    conversations = load_prompts(name, num_prompts=count, seed=seed)
+    # the finite sets have no seeds to separate training from evaluation: evaluation seeds read their `eval` split
+    split = "eval" if seed >= EVAL_SEED_OFFSET and name in SPLIT_SETS else None
+    conversations = load_prompts(name, num_prompts=count, seed=seed, split=split)
     return [
         tokenizer.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
             "input_ids"

@@ -166,7 +166,7 @@ class ContinuousBatchGenerator:
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         """One target forward; returns last-position greedy tokens `[n]` and captured features `[n, q, F]`."""
         out = self.target(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             use_cache=True, output_hidden_states=bool(self.layer_ids), logits_to_keep=1,
         )  # fmt: skip
         tokens = out.logits[:, -1].argmax(dim=-1)

@@ -42,6 +42,7 @@ logger = logging.get_logger(__name__)
 
 PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "open_ended")
 SPLITS = ("train", "eval")
+SPLIT_SETS = ("stdlib", "open_ended")  # the finite sets partitioned into `train` and `eval` (see `load_prompts`)
 EVAL_SEED_OFFSET = 10_000  # training pools use reasoning-gym seeds below this, evaluation pools seeds at or above it
 DEFAULT_PROCEDURAL_SIZE = 500  # reasoning-gym sets are unlimited; this many items when `num_prompts` is None
 

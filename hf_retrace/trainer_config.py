@@ -38,8 +38,11 @@ class ReTraceConfig(TrainingArguments):
         drafter_target_layer_ids (`list[int]`, *optional*): target layers of a fresh drafter (DFlash rule if unset).
         drafter_mask_token_id (`int`, *optional*): mask token of a fresh drafter (last vocabulary id if unset).
         retrace_mode (`str`, *optional*): `off`, `overwrite`, `gated` or `corrected`; unset keeps the drafter's.
-        drafter_draft_vocab_size (`int`, *optional*): a fresh drafter gets a reduced draft vocabulary of this many
-            tokens, the most frequent of the training responses (`ReTraceDrafterConfig.draft_vocab_size`).
+        drafter_draft_vocab_size (`int`, *optional*): give the drafter a reduced draft vocabulary of this many
+            tokens, the most frequent of the training responses (`ReTraceDrafterConfig.draft_vocab_size`). A fresh
+            drafter, or a loaded full-vocabulary one (its weights do not depend on the vocabulary: the head is the
+            target's); a loaded drafter that already has a draft vocabulary keeps it, and asking for another is an
+            error.
 
         > Parameters that control the data
 
@@ -112,7 +115,7 @@ class ReTraceConfig(TrainingArguments):
         default=None, metadata={"help": f"Conditioning mode, one of {RETRACE_MODES}; unset keeps the drafter's."}
     )
     drafter_draft_vocab_size: int | None = field(
-        default=None, metadata={"help": "Fresh drafter: reduced draft vocabulary of the K most frequent response tokens."}
+        default=None, metadata={"help": "Reduced draft vocabulary of the K most frequent response tokens (full-vocabulary drafters)."}
     )
     # Parameters that control the data
     max_length: int = field(default=2048, metadata={"help": "Longest training sequence in tokens."})
@@ -185,11 +188,6 @@ class ReTraceConfig(TrainingArguments):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.eal_ce_weight < 0:
             raise ValueError(f"eal_ce_weight must be >= 0, got {self.eal_ce_weight}")
-        if self.drafter_name_or_path is not None and self.drafter_draft_vocab_size is not None:
-            raise ValueError(
-                "drafter_draft_vocab_size configures a FRESH drafter, but drafter_name_or_path loads one whose "
-                "config decides; drop one of them."
-            )
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         super().__post_init__()

@@ -137,3 +137,20 @@ def test_reasoning_gym_programs_run_in_a_scratch_directory(tmp_path, monkeypatch
         Path("planet.com").write_text("x")
         assert Path.cwd() != tmp_path
     assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
+
+
+def test_finite_sets_split_train_and_eval_apart(small_stdlib):
+    from hf_retrace.prompts import SPLIT_SETS
+
+    for name in SPLIT_SETS:
+        whole = load_prompts(name)
+        train = load_prompts(name, split="train", seed=3)
+        held_out = load_prompts(name, split="eval", seed=3)
+        assert held_out and len(train) + len(held_out) == len(whole)
+        train_text = {p[0]["content"] for p in train}
+        assert not train_text & {p[0]["content"] for p in held_out}
+        # the same item under another seed (another template) is still on the same side
+        again = load_prompts(name, split="eval", seed=4)
+        assert len(again) == len(held_out) and not {p[0]["content"] for p in again} & train_text
+    with pytest.raises(ValueError, match="split must be one of"):
+        load_prompts("stdlib", split="test")

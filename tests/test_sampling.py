@@ -76,8 +76,9 @@ def test_speculative_sampling_keeps_target_distribution(monkeypatch, draft_logit
     # Sampling noise of a V=8 histogram from 1000 draws is about 0.03 in total variation.
     for k in range(3):
         assert _tv(counts[k] / SAMPLES, exact[k]) < 0.07, f"token {k + 2}"
-    # The test has power: a rule that accepted drafts blindly would produce the drafter's distribution instead.
-    assert _tv(draft_freq, exact[0]) > 0.2
+    # The test has power: a rule that accepted drafts blindly would produce the drafter's distribution instead,
+    # which is farther from the target's than the 0.07 tolerance (0.19 for the full-vocabulary drafter).
+    assert _tv(draft_freq, exact[0]) > 0.12
     assert accepted > SAMPLES // 10  # and drafts really were accepted, so the acceptance rule was exercised
     # B = 3 and 4 new tokens: a first cycle that rejects at slot 1 retains one slot (L = B-2-n = 1), so the next
     # cycle runs conditioned; its drafts are then part of what the marginals of tokens 3 and 4 check.

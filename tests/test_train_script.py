@@ -121,3 +121,51 @@ def test_two_cpu_processes_ddp(tmp_path):
     saved = ReTraceDrafterModel.from_pretrained(out)
     for name, param in saved.named_parameters():
         assert param.double().sum().item() == pytest.approx(ranks[0]["params"][name], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type, mode", [("ce", "dflash"), ("eal", "retrace")])
+def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, mode):
+    """train.py on a feature cache (the target's decoder never runs in a step), with a reduced draft vocabulary
+    chosen from the responses; the saved drafter keeps its vocabulary and decodes losslessly."""
+    from hf_retrace.continuous_generation import PromptItem
+    from hf_retrace.pool import build_pool
+
+    target = build_tiny_target()
+    items = [PromptItem(i, "rand", torch.randint(1, 128, (4 + i % 5,), generator=torch.Generator().manual_seed(i))
+                        .tolist()) for i in range(12)]  # fmt: skip
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
+               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=20)  # fmt: skip
+    module = _train_module()
+    script_args, training_args, model_args = module.make_parser().parse_args_and_config(
+        ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "features"),
+         "--feature_source", "cached", "--drafter_target_layer_ids", "1", "--drafter_draft_vocab_size", "24",
+         "--loss_type", loss_type, "--training_mode", mode, "--verification_features", "teacher_forced",
+         "--max_steps", "3", "--save_strategy", "no", "--num_anchors", "6",
+         "--max_blocks_per_forward", "4", "--report_to", "none"]
+    )  # fmt: skip
+    calls = []
+    trainer = None
+    handle = None
+    original = module.ReTraceTrainer.__init__
+
+    def init(self, *args, **kwargs):
+        nonlocal handle
+        original(self, *args, **kwargs)
+        handle = self.target.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
+
+    module.ReTraceTrainer.__init__ = init
+    try:
+        trainer = module.main(script_args, training_args, model_args)
+    finally:
+        module.ReTraceTrainer.__init__ = original
+        if handle is not None:
+            handle.remove()
+    assert calls == []  # features came from the cache (ReTrace: teacher-forced verification features, also cached)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    drafter = ReTraceDrafterModel.from_pretrained(tmp_path / "out")
+    assert drafter.config.draft_vocab_size == 24 and len(drafter.draft_vocab_ids) == 24
+    prompt = torch.tensor([items[0].prompt_ids])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    got = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0, assistant_model=drafter)
+    assert got.tolist() == expected.tolist()

@@ -110,9 +110,16 @@ def response_token_ids(dataset):
 
 
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
-    """Gives a fresh drafter the reduced draft vocabulary of the `size` most frequent response tokens."""
+    """Gives a full-vocabulary drafter the reduced draft vocabulary of the `size` most frequent response tokens."""
     from hf_retrace.draft_vocab import coverage, most_frequent_tokens
 
+    if drafter.draft_vocab_ids is not None:
+        if drafter.config.draft_vocab_size == size:
+            return  # e.g. resuming from a checkpoint of this run
+        raise ValueError(
+            f"drafter_draft_vocab_size={size}, but the loaded drafter already has a draft vocabulary of "
+            f"{drafter.config.draft_vocab_size} tokens; drop drafter_draft_vocab_size to keep it."
+        )
     columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
     ids = most_frequent_tokens(response_token_ids(columns), size)
     drafter.set_draft_vocab(ids)

@@ -1,0 +1,115 @@
+"""The training pool: continuous-batching generation equals per-prompt greedy generation, captured features equal a
+full forward, and the pool (tokens + feature cache) resumes and rebuilds."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SUPPORT, make_target, random_prompt
+from hf_retrace.continuous_generation import ContinuousBatchGenerator, PromptItem
+from hf_retrace.data import DataCollatorWithFeatures
+from hf_retrace.pool import (
+    build_pool,
+    cache_pool_features,
+    load_feature_dataset,
+    pool_prompt_stream,
+    read_token_shards,
+)
+
+
+EOS = SUPPORT[0]  # the restricted target's a: 6 of the 9 test prompts reach it within 14 tokens, at varied steps
+LAYERS = [0, 2]
+
+
+def _items(num: int) -> list[PromptItem]:
+    return [PromptItem(i, "rand", random_prompt(2 + (5 * i) % 9, seed=i)[0].tolist()) for i in range(num)]
+
+
+def _reference(target, item, max_new_tokens):
+    prompt = torch.tensor([item.prompt_ids])
+    out = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0)
+    return out[0, prompt.shape[1] :].tolist()
+
+
+def test_continuous_batching_equals_per_prompt_generation():
+    target = make_target("llama")
+    items = _items(9)
+    generator = ContinuousBatchGenerator(target, {EOS}, batch_size=3, max_new_tokens=14, layer_ids=LAYERS,
+                                         feature_dtype=torch.float32, refill_fraction=0.3)  # fmt: skip
+    rows = {row.index: row for row in generator.generate(items)}
+    assert sorted(rows) == list(range(9))
+    assert any(row.finished for row in rows.values()) and not all(row.finished for row in rows.values())
+    for item in items:
+        row = rows[item.index]
+        assert row.response_ids == _reference(target, item, 14), f"prompt {item.index}"
+        assert row.finished == (row.response_ids[-1] == EOS)
+        with torch.no_grad():
+            hidden = target(torch.tensor([row.prompt_ids + row.response_ids]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[k + 1] for k in LAYERS], dim=-1)[0]
+        torch.testing.assert_close(row.features[:-1], expected[:-1], atol=1e-5, rtol=1e-4)
+        assert not row.features[-1].any()  # the last token is never fed back
+    assert generator.generated_tokens == sum(len(r.response_ids) for r in rows.values())
+
+
+def test_prompt_stream_keeps_proportions():
+    stream = pool_prompt_stream({"a": [[1]] * 6, "b": [[2]] * 3})
+    assert [item.index for item in stream] == list(range(9))
+    assert "".join(item.source for item in stream) == "abaabaaba"  # every prefix keeps roughly 2:1
+
+
+def test_pool_resumes_and_features_rebuild(tmp_path):
+    target = make_target("llama")
+    items = _items(10)
+    kwargs = dict(eos_token_ids={EOS}, layer_ids=LAYERS, target_name="tiny", batch_size=4, max_new_tokens=10,
+                  shard_rows=3)  # fmt: skip
+    first = build_pool(target, items, tmp_path / "pool", tmp_path / "features", max_response_tokens=15, **kwargs)
+    assert 15 <= first < 10 * 10
+    partial = read_token_shards(tmp_path / "pool")
+    total = build_pool(target, items, tmp_path / "pool", tmp_path / "features", **kwargs)  # resume
+    rows = read_token_shards(tmp_path / "pool")
+    assert sorted(r["index"] for r in rows) == list(range(10))  # every prompt once, none twice
+    assert {r["index"] for r in partial} <= {r["index"] for r in rows}
+    assert total == sum(len(r["response_ids"]) for r in rows)
+    for row in rows:
+        assert row["response_ids"] == _reference(target, items[row["index"]], 10)
+
+    dataset = load_feature_dataset(tmp_path / "features", layer_ids=[2], target_name="tiny")
+    assert len(dataset) == 10
+    # a fresh machine has only the token shards: the features are recomputed from them
+    import shutil
+
+    shutil.rmtree(tmp_path / "features")
+    written = cache_pool_features(target, tmp_path / "pool", tmp_path / "rebuilt", layer_ids=LAYERS, target_name="tiny")
+    assert len(written) == len(list((tmp_path / "pool" / "tokens").glob("*.npz")))
+    rebuilt = load_feature_dataset(tmp_path / "rebuilt").with_format("numpy")
+    row = rebuilt[0]
+    with torch.no_grad():
+        hidden = target(torch.tensor([row["input_ids"].tolist()]), output_hidden_states=True).hidden_states
+    stored = torch.from_numpy(row["features"].astype(np.int16)).view(torch.bfloat16).float()
+    expected = torch.cat([hidden[k + 1] for k in LAYERS], dim=-1)[0]
+    torch.testing.assert_close(stored[:-1], expected[:-1], atol=2e-2, rtol=2e-2)  # bf16 storage
+
+    collator = DataCollatorWithFeatures(cache_layer_ids=LAYERS, layer_ids=[2], hidden_size=32, max_length=6)
+    longest = max(range(len(rebuilt)), key=lambda i: len(rebuilt[i]["input_ids"]))
+    row = rebuilt[longest]
+    stored = torch.from_numpy(row["features"].astype(np.int16)).view(torch.bfloat16)
+    batch = collator([row, rebuilt[(longest + 1) % len(rebuilt)]])
+    assert len(row["input_ids"]) > 6 and batch["features"].shape == (2, 6, 32)  # cut to max_length
+    assert batch["features"].dtype == torch.bfloat16
+    torch.testing.assert_close(batch["features"][0], stored[:6, 32:])  # layer 2 is the cache's second block
+    prompt_length = int(row["prompt_length"])
+    assert batch["loss_mask"][0].tolist() == [0] * min(prompt_length, 6) + [1] * max(6 - prompt_length, 0)
+
+
+def test_feature_cache_mismatches_are_clear_errors(tmp_path):
+    target = make_target("llama")
+    build_pool(target, _items(2), tmp_path / "pool", tmp_path / "features", eos_token_ids={EOS}, layer_ids=LAYERS,
+               target_name="tiny", batch_size=2, max_new_tokens=3)  # fmt: skip
+    with pytest.raises(ValueError, match="caches only"):
+        load_feature_dataset(tmp_path / "features", layer_ids=[1], target_name="tiny")
+    with pytest.raises(ValueError, match="not of 'other'"):
+        load_feature_dataset(tmp_path / "features", target_name="other")
+    with pytest.raises(ValueError, match="not a feature cache"):
+        load_feature_dataset(tmp_path / "pool")
+    with pytest.raises(ValueError, match="holds features of"):
+        cache_pool_features(target, tmp_path / "pool", tmp_path / "features", layer_ids=[1], target_name="tiny")
