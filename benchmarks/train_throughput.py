@@ -107,7 +107,7 @@ def _tree(ref: str, scratch: Path) -> Path:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", action="append", required=True, help="LABEL:REF:RECIPE[:OVERRIDES]")
+    parser.add_argument("--run", action="append", default=[], help="LABEL:REF:RECIPE[:OVERRIDES], repeatable")
     parser.add_argument("--pool", default=str(ROOT / "data" / "smollm2-pool"), help="token shards")
     parser.add_argument("--features", default=str(ROOT / "data_cache" / "smollm2-features"), help="feature cache")
     parser.add_argument("--rows", type=int, default=256, help="pool rows given to online recipes")
@@ -121,6 +121,8 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(_worker(args)))
         return
+    if not args.run:
+        parser.error("give at least one --run LABEL:REF:RECIPE[:OVERRIDES]")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the first step's end is the timing origin)")
     scratch = Path(tempfile.mkdtemp(prefix="hf_retrace-throughput-"))

@@ -304,7 +304,11 @@ def torch_threads(num_threads: int | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    names = [spec.name for spec in parse_methods(args.methods)]
+    if args.baseline is not None and args.baseline not in names:  # an argparse error (exit 2), before the long run
+        parser.error(f"--baseline {args.baseline!r} is not one of --methods: {names}")
     with torch_threads(args.num_threads):
         return _run(args)
 
@@ -313,8 +317,6 @@ def _run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_target(args.target, dtype, args.device)
     specs = parse_methods(args.methods)
-    if args.baseline is not None and args.baseline not in [spec.name for spec in specs]:  # fail before the long run
-        raise ValueError(f"--baseline {args.baseline!r} is not one of --methods: {[spec.name for spec in specs]}")
     methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip

@@ -15,8 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _SUBCOMMANDS:
         lines = [f"  {name:<8} {help_}" for name, (_, _, help_) in _SUBCOMMANDS.items()]
-        print("usage: hf-retrace {" + ",".join(_SUBCOMMANDS) + "} ...\n\n" + "\n".join(lines))
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        usage = "usage: hf-retrace {" + ",".join(_SUBCOMMANDS) + "} ...\n\n" + "\n".join(lines)
+        if argv[:1] in (["-h"], ["--help"]):
+            print(usage)
+            return 0
+        problem = f"unknown command {argv[0]!r}" if argv else "missing command"
+        print(f"hf-retrace: error: {problem}\n{usage}", file=sys.stderr)
+        return 2
     module_name, func_name, _ = _SUBCOMMANDS[argv[0]]
     return getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0
 

@@ -143,9 +143,13 @@ def build_pool(
         layer_ids=layer_ids if feature_dir is not None else None, pad_token_id=pad_token_id,
     )  # fmt: skip
     buffer, start = [], time.perf_counter()
-    for row in generator.generate(_until(todo, lambda: max_response_tokens is not None and total >= max_response_tokens)):
+    stop = lambda: max_response_tokens is not None and total >= max_response_tokens  # noqa: E731
+    for row in generator.generate(_until(todo, stop)):
         buffer.append(row)
         total += len(row.response_ids)
+        if len(buffer) % 32 == 0:
+            rate = generator.generated_tokens / (time.perf_counter() - start)
+            logger.warning(f"pool: {len(buffer)} rows buffered, {total} response tokens, {rate:.0f} tok/s")
         if len(buffer) == shard_rows:
             _flush(buffer, tokens_dir, feature_dir, next_shard)
             next_shard, buffer = next_shard + 1, []

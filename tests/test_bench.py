@@ -149,11 +149,13 @@ def test_paired_tau_against_baseline(bench_run):
     assert "tau relative to `dflash`" in (out / "results.md").read_text()
 
 
-def test_unknown_baseline_fails_before_running(assets):
+def test_unknown_baseline_fails_before_running(assets, capsys):
     argv = ["--target", str(assets / "target"), "--methods", _methods(assets), "--baseline", "nope",
             "--prompt-sets", f"{assets / 'ids.jsonl'}:1", "--output-dir", str(assets / "never")]  # fmt: skip
-    with pytest.raises(ValueError, match="--baseline 'nope' is not one of --methods"):
+    with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
+    assert exit_info.value.code == 2  # argparse's usage error, no traceback
+    assert "--baseline 'nope' is not one of --methods" in capsys.readouterr().err
     assert not (assets / "never").exists()
 
 

@@ -458,3 +458,13 @@ def test_push_to_hub_uploads_code_card_and_recipe(route, drafter, monkeypatch, t
 )
 def test_imports_of_package(source, lines):
     assert hub_validation.imports_of_package(source, "hf_retrace") == lines
+
+
+def test_missing_local_path_and_unknown_command_say_what_is_wrong(capsys):
+    from hf_retrace.cli import main as cli_main
+
+    with pytest.raises(OSError, match="'/no/such/path' does not exist"):
+        ReTraceDrafterModel.from_pretrained("/no/such/path")
+    assert cli_main(["foo"]) == 2
+    assert "unknown command 'foo'" in capsys.readouterr().err
+    assert cli_main(["--help"]) == 0

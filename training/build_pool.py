@@ -39,7 +39,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=640)
     parser.add_argument("--batch-size", type=int, default=64, help="decoding slots kept full")
-    parser.add_argument("--shard-rows", type=int, default=256, help="rows per checkpoint shard")
+    parser.add_argument("--shard-rows", type=int, default=128, help="rows per checkpoint shard")
     parser.add_argument("--max-response-tokens", type=int, default=None, help="stop once the pool holds this many")
     parser.add_argument("--seed", type=int, default=0, help="first prompt seed of the reasoning-gym sets")
     parser.add_argument("--features-only", action="store_true", help="only compute missing feature shards")

@@ -374,6 +374,13 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Loads a ReTrace drafter folder/repo, or a z-lab DFlash checkpoint (ReTrace modules then start fresh)."""
+        path = str(pretrained_model_name_or_path)
+        looks_local = os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.count("/") > 1
+        if looks_local and not os.path.exists(os.path.expanduser(path)):
+            raise OSError(
+                f"{path!r} does not exist: pass an existing drafter folder (one with config.json and the weights) "
+                "or a Hub repo id of the form 'owner/name'."
+            )
         if kwargs.get("config") is None:
             raw = _read_raw_config(pretrained_model_name_or_path, kwargs)
             if raw is not None and "dflash_config" in raw:
