@@ -134,6 +134,16 @@ def main(argv=None):
             parser.error(f"--run must be LABEL:REF:RECIPE[:OVERRIDES], got {spec!r}")
         label, ref, recipe = parts[:3]
         specs.append((label, _tree(ref, scratch), recipe, parts[3] if len(parts) == 4 else ""))
+    try:
+        results = _run_interleaved(specs, args, tokenized)
+    finally:  # the worktrees of other commits are scratch: remove them from the repository's list
+        for _, tree, _, _ in specs:
+            if tree != ROOT:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    _print_table(results)
+
+
+def _run_interleaved(specs, args, tokenized: Path) -> dict[str, list[dict]]:
     results = {label: [] for label, *_ in specs}
     for _ in range(args.rounds):
         for label, tree, recipe, overrides in specs:
@@ -148,6 +158,10 @@ def main(argv=None):
                 continue
             results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  {label}: {results[label][-1]}", flush=True)
+    return results
+
+
+def _print_table(results: dict[str, list[dict]]) -> None:
     print(f"\n{'run':<10}{'s/step':>9}{'slots/step':>12}{'slots/s':>10}{'x first':>9}{'peak GiB':>10}")
     base = None
     for label, runs in results.items():

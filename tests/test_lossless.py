@@ -129,3 +129,20 @@ def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
         assert got.tolist() == expected.tolist()
     with pytest.raises(ValueError, match="draft_logits_dtype must be one of"):
         type(drafter.config)(**{**drafter.config.to_dict(), "draft_logits_dtype": "int8"})
+
+
+def test_wrapped_drafters_pick_the_retrace_generator_and_stay_lossless():
+    """`assistant_model=torch.compile(drafter)` and a PEFT-wrapped drafter: the generator class comes from the drafter's
+    class hierarchy, not the wrapper's module (`torch._dynamo`, `peft`)."""
+    from peft import LoraConfig, get_peft_model
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=BLOCK, mode="corrected")
+    compiled = torch.compile(drafter, backend="eager")
+    lora = get_peft_model(make_drafter(target, block_size=BLOCK, mode="corrected"),
+                          LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    for wrapped in (compiled, lora):
+        for i in range(3):
+            prompt = random_prompt(4 + i, seed=i)
+            expected = _greedy(target, prompt, max_new_tokens=12)
+            assert _greedy(target, prompt, max_new_tokens=12, assistant_model=wrapped).tolist() == expected.tolist()

@@ -256,9 +256,26 @@ def draft_lm_head(lm_head: nn.Module, dtype_name: str | None, vocab_ids: torch.T
     return cached[1]
 
 
+def unwrap_drafter(model):
+    """The drafter inside `torch.compile` (`_orig_mod`) and PEFT (`get_base_model()`) wrappers, in any nesting."""
+    for _ in range(8):  # wrappers nest a few levels at most
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        if inner is None or inner is model:
+            return model
+        model = inner
+    return model
+
+
 def _generator_class_of(drafter):
-    package = type(drafter).__module__.rsplit(".", 1)[0]
-    return importlib.import_module(f"{package}.generation_retrace").ReTraceCandidateGenerator
+    """The candidate generator of the drafter's own code copy (this package, or a `trust_remote_code` module), found
+    from the drafter's class hierarchy rather than the wrapper's module name (`torch._dynamo`, `peft`, ...)."""
+    for cls in type(unwrap_drafter(drafter)).__mro__:
+        if cls.__module__.rsplit(".", 1)[-1] == "modeling_retrace":
+            package = cls.__module__.rsplit(".", 1)[0]
+            return importlib.import_module(f"{package}.generation_retrace").ReTraceCandidateGenerator
+    raise TypeError(f"{type(drafter).__name__} wraps no ReTrace drafter (no modeling_retrace class in its hierarchy)")
 
 
 def install_generate_hook() -> None:
