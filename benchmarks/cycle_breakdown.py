@@ -36,9 +36,9 @@ PROMPTS = [
 
 class Timers:
     def __init__(self):
-        self.seconds, self.calls, self.depth = defaultdict(float), defaultdict(int), 0
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
 
-    def wrap(self, obj, name: str, label: str, exclusive_of: str | None = None):
+    def wrap(self, obj, name: str, label: str):
         original = getattr(obj, name)
 
         @functools.wraps(original)  # keeps the signature transformers inspects
@@ -55,7 +55,7 @@ class Timers:
 
 def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
     timers = Timers()
-    verification_shapes, in_target = [], []
+    in_target = []  # non-empty while the target's own forward runs
     original_forward = target.forward
 
     @functools.wraps(original_forward)  # generate reads the forward's signature (position_ids, ...)
@@ -70,7 +70,6 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
         label = "verification" if ids is not None and ids.shape[1] <= drafter.config.block_size else "prefill"
         timers.seconds[label] += time.perf_counter() - start
         timers.calls[label] += 1
-        verification_shapes.append(ids.shape[1] if ids is not None else 0)
         return out
 
     target.forward = target_forward

@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from itertools import takewhile
 from pathlib import Path
 
 import numpy as np
@@ -143,8 +144,9 @@ def build_pool(
         layer_ids=layer_ids if feature_dir is not None else None, pad_token_id=pad_token_id,
     )  # fmt: skip
     buffer, start = [], time.perf_counter()
-    stop = lambda: max_response_tokens is not None and total >= max_response_tokens  # noqa: E731
-    for row in generator.generate(_until(todo, stop)):
+    # the generator pulls prompts lazily, so this stops feeding new rows once the pool is big enough
+    wanted = takewhile(lambda _: max_response_tokens is None or total < max_response_tokens, todo)
+    for row in generator.generate(wanted):
         buffer.append(row)
         total += len(row.response_ids)
         if len(buffer) % 32 == 0:
@@ -158,13 +160,6 @@ def build_pool(
     if buffer:
         _flush(buffer, tokens_dir, feature_dir, next_shard)
     return total
-
-
-def _until(items: list[PromptItem], stop) -> Iterator[PromptItem]:
-    for item in items:
-        if stop():
-            return
-        yield item
 
 
 def _flush(rows: list[GeneratedRow], tokens_dir: Path, feature_dir: Path | None, shard: int) -> None:
@@ -257,14 +252,9 @@ def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target
     return dataset
 
 
-def feature_cache_meta(feature_dir) -> dict:
-    return json.loads((Path(feature_dir) / FEATURE_META).read_text())
-
-
 __all__ = [
     "build_pool",
     "cache_pool_features",
-    "feature_cache_meta",
     "load_feature_dataset",
     "pool_prompt_stream",
     "read_token_shards",

@@ -121,9 +121,10 @@ def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
             f"{drafter.config.draft_vocab_size} tokens; drop drafter_draft_vocab_size to keep it."
         )
     columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
-    ids = most_frequent_tokens(response_token_ids(columns), size)
+    responses = list(response_token_ids(columns))
+    ids = most_frequent_tokens(responses, size)
     drafter.set_draft_vocab(ids)
-    print(f"draft vocabulary: {size} tokens cover {coverage(response_token_ids(columns), ids):.2%} of the responses")
+    print(f"draft vocabulary: {size} tokens cover {coverage(responses, ids):.2%} of the responses")
 
 
 def feature_collator(dataset, drafter, training_args: ReTraceConfig):
