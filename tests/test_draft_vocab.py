@@ -80,6 +80,13 @@ def test_most_frequent_tokens_and_coverage():
     assert coverage(sequences, [5, 7]) == pytest.approx(6 / 8)
     with pytest.raises(ValueError, match="only 4 distinct tokens"):
         most_frequent_tokens(sequences, 5)
+    # prompt-only tokens come after every response token, then the smallest unused ids fill what is left
+    prompts = [[11, 11, 5, 12], [3]]
+    assert most_frequent_tokens(sequences, 5, prompts=prompts) == [2, 5, 7, 9, 11]
+    assert most_frequent_tokens(sequences, 8, prompts=prompts, vocab_size=16) == [0, 2, 3, 5, 7, 9, 11, 12]
+    assert most_frequent_tokens(sequences, 9, prompts=prompts, vocab_size=16) == [0, 1, 2, 3, 5, 7, 9, 11, 12]
+    with pytest.raises(ValueError, match="exceeds the target vocabulary"):
+        most_frequent_tokens(sequences, 17, vocab_size=16)
 
 
 def test_training_head_maps_labels_and_drafts():

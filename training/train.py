@@ -99,18 +99,22 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
 
-def response_token_ids(dataset):
-    """Response tokens of every training row (after `prompt_length`, or where `loss_mask` is 1)."""
+def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
+    """(responses, prompts) of every training row: tokens after `prompt_length` (or where `loss_mask` is 1), and
+    the rest."""
     if "prompt_length" in dataset.column_names:
-        for ids, start in zip(dataset["input_ids"], dataset["prompt_length"]):
-            yield ids[int(start) :]
+        rows = [(ids[int(p) :], ids[: int(p)]) for ids, p in zip(dataset["input_ids"], dataset["prompt_length"])]
     else:
-        for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
-            yield [t for t, m in zip(ids, mask) if m]
+        rows = [
+            ([t for t, m in zip(ids, mask) if m], [t for t, m in zip(ids, mask) if not m])
+            for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
+        ]
+    return [r for r, _ in rows], [p for _, p in rows]
 
 
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
-    """Gives a full-vocabulary drafter the reduced draft vocabulary of the `size` most frequent response tokens."""
+    """Gives a full-vocabulary drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
+    [`most_frequent_tokens`])."""
     from hf_retrace.draft_vocab import coverage, most_frequent_tokens
 
     if drafter.draft_vocab_ids is not None:
@@ -121,8 +125,8 @@ def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
             f"{drafter.config.draft_vocab_size} tokens; drop drafter_draft_vocab_size to keep it."
         )
     columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
-    responses = list(response_token_ids(columns))
-    ids = most_frequent_tokens(responses, size)
+    responses, prompts = split_token_ids(columns)
+    ids = most_frequent_tokens(responses, size, prompts=prompts, vocab_size=drafter.config.vocab_size)
     drafter.set_draft_vocab(ids)
     print(f"draft vocabulary: {size} tokens cover {coverage(responses, ids):.2%} of the responses")
 
