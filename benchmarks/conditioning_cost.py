@@ -6,7 +6,7 @@ is run greedily with `retrace_mode="off"` and `"corrected"` (same weights), inte
 a few evaluation prompts, with the `hf-retrace bench` machinery (same timers, same lossless check). Conditioning time
 = reading the verification features + building the rejected trajectory + projecting its target features + the
 drafter's `retrace` submodule. Target: conditioning < 1% of the cycle (paper: 0.40% on Qwen3-4B / A800).
-fp32 by default (exact lossless check); with `--dtype bf16` near-tie logits can flip (see `hf_retrace.bench`).
+fp32 by default (exact lossless check); with `--dtype bf16` near-tie logits can flip (see `hf_retrace.bench.run`).
 
     python benchmarks/conditioning_cost.py [--block-size 16] [--num-prompts 3] [--max-new-tokens 64] [--repeats 2]
 
@@ -21,10 +21,11 @@ import tempfile
 import torch
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import load_default_target
-from hf_retrace.bench import DTYPES, Method, MethodSpec, encode_prompt_set, run_interleaved
-from hf_retrace.bench_report import add_logit_gaps, check_lossless, summarize
-from hf_retrace.prompts import EVAL_SEED_OFFSET
+from hf_retrace.data.assets import load_default_target
+from hf_retrace.bench.methods import Method, MethodSpec
+from hf_retrace.bench.run import DTYPES, encode_prompt_set, run_interleaved
+from hf_retrace.bench.report import add_logit_gaps, check_lossless, summarize
+from hf_retrace.data.prompts import EVAL_SEED_OFFSET
 
 
 def make_drafter(target, block_size: int, seed: int) -> ReTraceDrafterModel:

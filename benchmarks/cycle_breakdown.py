@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import load_default_target
-from hf_retrace.generation_retrace import DraftLMHead
+from hf_retrace.data.assets import load_default_target
+from hf_retrace.models.generation_retrace import DraftLMHead
 
 
 PROMPTS = [
@@ -160,8 +160,8 @@ def main():
             drafter.anchor_broadcast.block_size = block_size
         drafter.config.draft_logits_dtype = args.draft_logits_dtype
         if args.draft_vocab_size:
-            from hf_retrace.draft_vocab import most_frequent_tokens
-            from hf_retrace.pool import read_token_shards
+            from hf_retrace.trainer.draft_vocab import most_frequent_tokens
+            from hf_retrace.data.pool import read_token_shards
 
             responses = [row["response_ids"] for row in read_token_shards(args.pool)]
             drafter.set_draft_vocab(most_frequent_tokens(responses, args.draft_vocab_size))

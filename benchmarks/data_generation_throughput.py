@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from hf_retrace.assets import load_default_target
-from hf_retrace.data import generate_responses
-from hf_retrace.prompts import load_prompts
+from hf_retrace.data.assets import load_default_target
+from hf_retrace.data.responses import generate_responses
+from hf_retrace.data.prompts import load_prompts
 
 
 def main() -> None:

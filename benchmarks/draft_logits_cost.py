@@ -15,8 +15,8 @@ import time
 import torch
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import load_default_target
-from hf_retrace.generation_retrace import draft_lm_head
+from hf_retrace.data.assets import load_default_target
+from hf_retrace.models.generation_retrace import draft_lm_head
 
 
 PROMPT = "Write a Python function that returns the sum of squares of a list."

@@ -37,11 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _worker(args) -> dict:
     """One run inside the tree `args.root` (its own `hf_retrace` and `training/train.py`)."""
     sys.path[:0] = [args.root, os.path.join(args.root, "training")]
-    import hf_retrace.training_forward as forward
+    import hf_retrace.trainer.objective as forward
     from train import main, make_parser
     from transformers import TrainerCallback
 
-    from hf_retrace.trainer import ReTraceTrainer
+    from hf_retrace.trainer.trainer import ReTraceTrainer
 
     slots, ends = [], []
     original_labels = forward.block_labels
@@ -85,7 +85,7 @@ def _tokenized_pool(pool_dir: Path, rows: int, out: Path) -> Path:
     """The first `rows` pool rows as a tokenized `datasets` folder (`input_ids`, `loss_mask`) for online recipes."""
     from datasets import Dataset
 
-    from hf_retrace.pool import read_token_shards
+    from hf_retrace.data.pool import read_token_shards
 
     records = read_token_shards(pool_dir)[:rows]
     Dataset.from_dict({

@@ -26,9 +26,9 @@ def _step(args) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from hf_retrace import ReTraceDrafterModel
-    from hf_retrace.draft_vocab import TrainingDraftHead
-    from hf_retrace.losses import loss_decay_weights
-    from hf_retrace.training_forward import LossSettings, dflash_training_step
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.losses import loss_decay_weights
+    from hf_retrace.trainer.objective import LossSettings, dflash_training_step
 
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(Qwen3Config(

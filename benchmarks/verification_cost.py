@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from hf_retrace.assets import load_default_target
+from hf_retrace.data.assets import load_default_target
 
 
 def forward_ms(target, prefix: torch.Tensor, num_new: int, repeats: int) -> float:

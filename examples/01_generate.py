@@ -12,7 +12,7 @@ import torch
 
 import hf_retrace  # noqa: F401  (makes `assistant_model=drafter` pick ReTrace)
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import load_default_target
+from hf_retrace.data.assets import load_default_target
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-retrace"

@@ -8,7 +8,7 @@ import tempfile
 import torch
 
 from hf_retrace import ReTraceConfig, ReTraceDrafterModel, ReTraceTrainer
-from hf_retrace.training_setup import build_tiny_target, synthetic_dataset
+from hf_retrace.trainer.setup import build_tiny_target, synthetic_dataset
 
 
 def main():

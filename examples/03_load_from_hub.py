@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModel
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import DEFAULT_TARGET_NAME, load_default_target
-from hf_retrace.hub import save_for_hub
+from hf_retrace.data.assets import DEFAULT_TARGET_NAME, load_default_target
+from hf_retrace.hub.publish import save_for_hub
 
 
 def main(drafter_source: str | None, max_new_tokens: int) -> None:

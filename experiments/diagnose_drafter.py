@@ -17,11 +17,11 @@ from collections import Counter, defaultdict
 import torch
 from datasets import load_from_disk
 
-from hf_retrace.data import DataCollatorForReTrace, tokenize_conversations
-from hf_retrace.modeling_retrace import ReTraceDrafterModel, apply_rotary_pos_emb
-from hf_retrace.target_features import compute_target_features, embed_tokens
-from hf_retrace.training_forward import block_labels, draft_blocks, sample_anchor_positions, token_positions
-from hf_retrace.training_setup import load_target
+from hf_retrace.data.responses import DataCollatorForReTrace, tokenize_conversations
+from hf_retrace.models.modeling_retrace import ReTraceDrafterModel, apply_rotary_pos_emb
+from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+from hf_retrace.trainer.objective import block_labels, draft_blocks, sample_anchor_positions, token_positions
+from hf_retrace.trainer.setup import load_target
 
 
 TEXT = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell? Natalia sold 48 clips in"

@@ -60,7 +60,7 @@ phase2() {  # two lanes, one thread each; a ReTrace step costs ~1.8x a DFlash on
 overwrite() {  # the third ablation, trained and benched after the others for time (the reported run: 2 threads)
   OMP_NUM_THREADS=2 phase2_arm overwrite --training_mode retrace --retrace_mode overwrite
   # greedy tau is deterministic, so the control's tau here equals the main bench's; tokens/s is a separate run's
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
+  $PY -m hf_retrace.bench.run --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
     --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:12,humaneval:12 --baseline control \
     --methods ar,control="$RUNS/control":off,overwrite="$RUNS/overwrite" --output-dir results/smollm2-overwrite
 }
@@ -73,7 +73,7 @@ bench() {  # greedy bench on one thread, sampling bench then rejected-suffix ana
 
 bench_greedy() {  # every method on the same held-out prompts, interleaved, lossless-checked
   local OVERWRITE=""; [ -f "$RUNS/overwrite/config.json" ] && OVERWRITE=",overwrite=$RUNS/overwrite"
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
+  $PY -m hf_retrace.bench.run --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 \
     --draft-logits-dtype bfloat16 --prompt-sets gsm_symbolic:12,humaneval:12 --baseline control \
     --methods ar,prompt_lookup,dflash="$PHASE1",control="$RUNS/control":off,retrace="$RUNS/retrace",gated="$RUNS/gated",retrace_modules="$RUNS/retrace-modules"$OVERWRITE \
     --output-dir results/smollm2
@@ -81,18 +81,18 @@ bench_greedy() {  # every method on the same held-out prompts, interleaved, loss
 
 bench_sampling_and_analyze() {
   # sampling at temperature 1: DFlash control vs ReTrace (no lossless check; tau and speed)
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 --do-sample \
+  $PY -m hf_retrace.bench.run --target default --dtype fp32 --num-threads 1 --max-new-tokens 64 --do-sample \
     --draft-logits-dtype bfloat16 --temperature 1.0 --seed 0 --prompt-sets gsm_symbolic:6,humaneval:6 \
     --baseline control --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace" \
     --output-dir results/smollm2-sampling
-  $PY -m hf_retrace.analyze --drafter "$PHASE1":off --prompt-sets gsm_symbolic:8,humaneval:8 \
+  $PY -m hf_retrace.bench.analyze --drafter "$PHASE1":off --prompt-sets gsm_symbolic:8,humaneval:8 \
     --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
 }
 
 fixes() {  # optional (not in the default run): session 1's attempted fix, ReTrace with teacher-forced verification
   # features (same data/steps), benched vs the arms; its session-1 result is in results/session1/smollm2-fixes/
   phase2_arm retrace-tf --training_mode retrace --retrace_mode corrected --verification_features teacher_forced
-  $PY -m hf_retrace.bench --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
+  $PY -m hf_retrace.bench.run --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
     --prompt-sets gsm_symbolic:5,humaneval:5 \
     --methods ar,control="$RUNS/control":off,retrace="$RUNS/retrace",retrace_tf="$RUNS/retrace-tf" \
     --output-dir results/smollm2-fixes
@@ -105,7 +105,7 @@ import shutil
 import tempfile
 import torch
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.hub import save_for_hub
+from hf_retrace.hub.publish import save_for_hub
 runs = os.environ["RUNS"]
 phase1 = os.environ["PHASE1"]
 arms = [(f"{runs}/retrace", "smollm2-135m-retrace", "corrected"), (phase1, "smollm2-135m-dflash", "off")]

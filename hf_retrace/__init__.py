@@ -1,32 +1,34 @@
 """hf_retrace: ReTrace speculative decoding (rejected-trajectory conditioning on a DFlash drafter) for transformers.
 
-`import hf_retrace` registers the drafter with the Auto classes and makes
-`target.generate(..., assistant_model=drafter)` pick the ReTrace candidate generator.
+`import hf_retrace` registers the drafter with the Auto classes and (by importing `models.generation_retrace`)
+makes `target.generate(..., assistant_model=drafter)` pick the ReTrace candidate generator.
+
+Sub-packages: `models` (the Hub files), `trainer`, `data`, `bench`, `hub`; `cli` is the `hf-retrace` command.
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
-from .generation_retrace import (
+from .models.configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
+from .models.generation_retrace import (
     ReTraceCandidateGenerator,
+    ReTraceConditioning,
     ReTraceGenerationStats,
     build_rejected_trajectory,
     install_generate_hook,
     retrace_generate,
 )
-from . import hub as _hub
-from .modeling_retrace import ReTraceConditioning, ReTraceDrafterModel, ReTraceDrafterPreTrainedModel
+from .models.modeling_retrace import ReTraceDrafterModel, ReTraceDrafterPreTrainedModel
+from .hub import publish as _publish
 
 
 __version__ = "0.1.0"
 
 AutoConfig.register(ReTraceDrafterConfig.model_type, ReTraceDrafterConfig, exist_ok=True)
 AutoModel.register(ReTraceDrafterConfig, ReTraceDrafterModel, exist_ok=True)
-install_generate_hook()
-ReTraceDrafterModel.hub_publisher = staticmethod(_hub.push_to_hub)
+ReTraceDrafterModel.hub_publisher = staticmethod(_publish.push_to_hub)
 
 # Training needs the `train` extra (trl, datasets, peft); import it only when asked for.
-_LAZY = {"ReTraceTrainer": "hf_retrace.trainer", "ReTraceConfig": "hf_retrace.trainer_config"}
+_LAZY = {"ReTraceTrainer": "hf_retrace.trainer.trainer", "ReTraceConfig": "hf_retrace.trainer.config"}
 
 
 def __getattr__(name):

@@ -5,9 +5,9 @@ import sys
 
 
 _SUBCOMMANDS = {
-    "bench": ("hf_retrace.bench", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
-    "analyze": ("hf_retrace.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
-    "publish": ("hf_retrace.hub", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
+    "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
+    "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
+    "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
 }
 
 

@@ -89,3 +89,17 @@ def tiny_target():
 @pytest.fixture
 def tiny_drafter(tiny_target):
     return make_drafter(tiny_target)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_fresh_python(code: str, timeout: int = 300):
+    """Runs `code` in a fresh interpreter (this checkout and tests/ on its path, offline, 1 thread), so that what it
+    checks about process-wide state (patched classes, import-time side effects) does not depend on earlier tests."""
+    import subprocess
+    import sys
+
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

@@ -6,9 +6,10 @@ import pytest
 
 from conftest import make_drafter, make_target, random_prompt
 
-from hf_retrace import analyze, generation_retrace
-from hf_retrace.analyze import AgreementCounts, DraftRound, analyze_generation, num_accepted, round_agreement
-from hf_retrace.bench import torch_threads
+from hf_retrace.bench import analyze
+from hf_retrace.models import generation_retrace
+from hf_retrace.bench.analyze import AgreementCounts, DraftRound, analyze_generation, num_accepted, round_agreement
+from hf_retrace.bench.run import torch_threads
 
 
 # prompt [10, 11], generated [20, 21, 22, 23, 24, 25] at positions 2..7

@@ -10,10 +10,12 @@ from conftest import make_drafter, make_target, random_prompt
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from hf_retrace import bench
-from hf_retrace.bench import MethodSpec, parse_methods, parse_prompt_sets, torch_threads
-from hf_retrace.bench_report import first_difference
-from hf_retrace.bench_timing import ConditioningTimer
+from hf_retrace.bench import methods
+from hf_retrace.bench import run as bench
+from hf_retrace.bench.methods import MethodSpec, parse_methods
+from hf_retrace.bench.run import parse_prompt_sets, torch_threads
+from hf_retrace.bench.report import first_difference
+from hf_retrace.bench.timing import ConditioningTimer
 
 
 BLOCK = 4
@@ -77,8 +79,8 @@ def bench_run(assets):
 
 def test_draft_logits_dtype_override(assets):
     folder = str(assets / "drafter")
-    assert bench.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").config.draft_logits_dtype == "bfloat16"
-    assert bench.load_drafter(folder, None, torch.float32, "cpu", "target").config.draft_logits_dtype is None
+    assert methods.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").config.draft_logits_dtype == "bfloat16"
+    assert methods.load_drafter(folder, None, torch.float32, "cpu", "target").config.draft_logits_dtype is None
 
 
 def test_parse_methods():
@@ -89,7 +91,7 @@ def test_parse_methods():
     assert (specs[3].folder, specs[3].retrace_mode) == ("/d", None)  # as saved
     assert (specs[4].folder, specs[4].retrace_mode) == ("/x:y/d", "gated")
     assert (specs[5].folder, specs[5].retrace_mode) == ("/x:y", None)  # ":y" is no mode: part of the path
-    assert parse_methods("prompt_lookup")[1].num_lookup_tokens == bench.DEFAULT_LOOKUP_TOKENS
+    assert parse_methods("prompt_lookup")[1].num_lookup_tokens == methods.DEFAULT_LOOKUP_TOKENS
 
 
 @pytest.mark.parametrize("bad", ["dflash=/d:gated", "x=/a,x=/b", "nonsense", "ar=/d", "x="])
@@ -178,7 +180,7 @@ def test_tau_is_pooled_over_cycles(bench_run, assets):
     rows = {(r["method"], r["prompt_set"]): r for r in bench_run[2]["results"]}
     distinguishes = False  # the data must tell pooling over cycles from averaging per-prompt taus
     for name, mode in (("dflash", "off"), ("retrace", None), ("gated", "gated")):
-        drafter = bench.load_drafter(str(assets / "drafter"), mode, torch.float32, "cpu")
+        drafter = methods.load_drafter(str(assets / "drafter"), mode, torch.float32, "cpu")
         pooled_lengths, per_prompt_tau = [], []
         for label, ids_list in prompts.items():
             lengths = []
@@ -209,10 +211,10 @@ def test_conditioning_share(bench_run):
 
 
 def test_conditioning_timer_restores_everything(assets):
-    from hf_retrace import generation_retrace
+    from hf_retrace.models import generation_retrace
 
     target = AutoModelForCausalLM.from_pretrained(assets / "target").eval()
-    drafter = bench.load_drafter(str(assets / "drafter"), "corrected", torch.float32, "cpu")
+    drafter = methods.load_drafter(str(assets / "drafter"), "corrected", torch.float32, "cpu")
     before = (generation_retrace.build_rejected_trajectory,
               generation_retrace.ReTraceCandidateGenerator.__dict__["_verification_features"])  # fmt: skip
     prompt = random_prompt(6, seed=3)
@@ -228,7 +230,7 @@ def test_conditioning_timer_restores_everything(assets):
 
 
 def test_lossless_failure_is_loud(assets, monkeypatch, capsys):
-    original = bench.Method.run
+    original = methods.Method.run
 
     def corrupted(self, target, input_ids, generate_kwargs, prompt_set, index):
         generation = original(self, target, input_ids, generate_kwargs, prompt_set, index)
@@ -236,7 +238,7 @@ def test_lossless_failure_is_loud(assets, monkeypatch, capsys):
             generation.token_ids[5] = (generation.token_ids[5] + 1) % 128
         return generation
 
-    monkeypatch.setattr(bench.Method, "run", corrupted)
+    monkeypatch.setattr(methods.Method, "run", corrupted)
     out = assets / "out_bad"
     argv = ["--target", str(assets / "target"), "--dtype", "fp32", "--methods", f"dflash={assets / 'drafter'}",
             "--prompt-sets", f"{assets / 'ids.jsonl'}:2", "--max-new-tokens", "12", "--output-dir", str(out),

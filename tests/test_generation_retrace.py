@@ -5,8 +5,9 @@ import torch
 from transformers.generation import candidate_generator as cg
 from transformers.generation.utils import GenerationMixin
 
-from conftest import make_drafter, make_target, random_prompt
+from conftest import make_drafter, make_target, random_prompt, run_fresh_python
 from hf_retrace import ReTraceCandidateGenerator, build_rejected_trajectory, install_generate_hook
+from hf_retrace.models import generation_retrace
 
 
 B, H, F = 6, 3, 2  # block, hidden, feature width
@@ -121,11 +122,25 @@ def test_one_target_and_one_drafter_forward_per_cycle(mode):
     assert len(verification) - cycles in (0, 1)  # plus at most one final single-token step with no room to draft
 
 
+def _load_module_copy(name: str):
+    """A second copy of generation_retrace.py under another module name, as `trust_remote_code` loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, generation_retrace.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # runs install_generate_hook() on import
+    return module
+
+
 def test_hook_is_idempotent_and_falls_through():
-    hooked = GenerationMixin._get_candidate_generator
+    hooked = (GenerationMixin._get_candidate_generator, GenerationMixin._validate_generation_mode)
+    assert all(method._retrace_hook for method in hooked)  # installed by `import hf_retrace`, not by a constructor
+    assert install_generate_hook() is True
     install_generate_hook()
-    install_generate_hook()
-    assert GenerationMixin._get_candidate_generator is hooked and hooked._retrace_hook
+    _load_module_copy("remote_copy_generation_retrace")  # a remote-code copy installs nothing more
+    assert (GenerationMixin._get_candidate_generator, GenerationMixin._validate_generation_mode) == hooked
+    for method in hooked:  # each wrapper wraps transformers' own method directly: wrapped once
+        assert not getattr(method.__wrapped__, "_retrace_hook", False)
 
     target = make_target("qwen3")
     assistant = make_target("qwen3", seed=5)  # an ordinary small LM as assistant: transformers' own generator
@@ -146,19 +161,51 @@ def test_hook_is_idempotent_and_falls_through():
     assert out.tolist() == target.generate(prompt, do_sample=False, max_new_tokens=10).tolist()
 
 
+def test_each_wrapper_is_installed_once_even_alone(monkeypatch):
+    """Only the validation wrapper present (the dispatch replaced by someone else): installing wraps the dispatch
+    and leaves the validation wrapper as it is, rather than wrapping it a second time."""
+    validation = GenerationMixin._validate_generation_mode
+    plain_dispatch = GenerationMixin._get_candidate_generator.__wrapped__
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", plain_dispatch)
+    assert install_generate_hook() is True
+    assert GenerationMixin._validate_generation_mode is validation
+    assert GenerationMixin._get_candidate_generator._retrace_hook
+    assert GenerationMixin._get_candidate_generator.__wrapped__ is plain_dispatch
+
+
+UNSUPPORTED_TRANSFORMERS = r"""
+import warnings
+import transformers
+from transformers.generation.utils import GenerationMixin
+
+originals = (GenerationMixin._get_candidate_generator, GenerationMixin._validate_generation_mode)
+transformers.__version__ = "6.1.0"  # what the hook's version check reads
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import hf_retrace  # installs the hook on import: here it must warn and wrap nothing
+assert any("supports transformers >=5.24,<6; found 6.1.0" in str(w.message) for w in caught), caught
+assert (GenerationMixin._get_candidate_generator, GenerationMixin._validate_generation_mode) == originals
+from conftest import make_drafter, make_target, random_prompt
+
+target = make_target("qwen3")
+drafter = make_drafter(target, mode="off")  # constructing a drafter does not raise
+prompt = random_prompt(6, seed=2)
+expected = target.generate(prompt, do_sample=False, max_new_tokens=20)
+got = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter, speculation_type="dflash")
+assert got.tolist() == expected.tolist()
+print("OK")
+"""
+
+
+def test_unsupported_transformers_warns_and_falls_back_to_dflash():
+    """Fresh process: on an unsupported transformers version `import hf_retrace` warns instead of raising, patches
+    nothing, and the drafter decodes losslessly through transformers' own `speculation_type="dflash"` path."""
+    proc = run_fresh_python(UNSUPPORTED_TRANSFORMERS)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
 def test_hook_picks_retrace_generator(tiny_target, tiny_drafter):
     generator = GenerationMixin._get_candidate_generator(
         tiny_target, tiny_target.generation_config, random_prompt(4, 0), None, None, {}, assistant_model=tiny_drafter
     )
     assert isinstance(generator, ReTraceCandidateGenerator)
-
-
-def test_hook_refuses_unsupported_transformers(monkeypatch):
-    from types import SimpleNamespace
-
-    import hf_retrace.generation_retrace as generation
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", lambda *a, **k: None)
-    monkeypatch.setattr(generation, "transformers", SimpleNamespace(__version__="6.1.0"))
-    with pytest.raises(ImportError, match=r"transformers >=5.24,<6"):
-        install_generate_hook()

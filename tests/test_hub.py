@@ -1,4 +1,4 @@
-"""hf_retrace.hub: the Hub folder, its card, `hf-retrace publish`, and loading it where hf_retrace is not installed.
+"""hf_retrace.hub.publish: the Hub folder, its card, `hf-retrace publish`, and loading it where hf_retrace is not installed.
 
 Everything is offline. "The Hub" is a fake `HF_HUB_CACHE` that the mocked `HfApi.upload_folder` fills with exactly the
 files it was asked to upload; the target is published there too, so the card's snippet runs unmodified.
@@ -24,7 +24,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModel, PreTrainedTokenizerFast
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from hf_retrace import ReTraceDrafterModel, hub, hub_validation, model_card
+from hf_retrace import ReTraceDrafterModel
+from hf_retrace.hub import model_card
+from hf_retrace.hub import publish as hub
+from hf_retrace.hub import validation as hub_validation
 
 
 REPO_ID, TARGET_ID = "org/tiny-retrace", "org/tiny-target"
@@ -382,7 +385,7 @@ def _shape_mismatch(folder: Path):
 
 def _imports_package(folder: Path):
     path = folder / "generation_retrace.py"
-    path.write_text(path.read_text() + "\n\ndef _helper():\n    from hf_retrace.hub import save_for_hub\n")
+    path.write_text(path.read_text() + "\n\ndef _helper():\n    from hf_retrace.hub.publish import save_for_hub\n")
 
 
 def _drops_code_file(folder: Path):
@@ -450,9 +453,9 @@ def test_push_to_hub_uploads_code_card_and_recipe(route, drafter, monkeypatch, t
     "source, lines",
     [
         ("import hf_retrace", [1]),
-        ("import os\nfrom hf_retrace.hub import x", [2]),
+        ("import os\nfrom hf_retrace.hub.publish import x", [2]),
         ("import hf_retrace_other\nfrom .modeling_retrace import X", []),
-        ("def f():\n    import importlib\n    return importlib.import_module('hf_retrace.masks')", [3]),
+        ("def f():\n    import importlib\n    return importlib.import_module('hf_retrace.trainer.masks')", [3]),
         ("s = 'import hf_retrace'  # a string, not an import", []),
     ],
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_retrace.losses import (
+from hf_retrace.trainer.losses import (
     IGNORE_INDEX,
     block_cross_entropy,
     count_accepted,
@@ -82,7 +82,7 @@ def test_count_accepted(drafts, labels, expected):
 
 
 def test_slot_log_likelihoods_chunked_equals_whole():
-    from hf_retrace.losses import slot_log_likelihoods
+    from hf_retrace.trainer.losses import slot_log_likelihoods
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
@@ -98,7 +98,7 @@ def test_slot_log_likelihoods_chunked_equals_whole():
 
 
 def test_expected_accepted_length():
-    from hf_retrace.losses import expected_accepted_length
+    from hf_retrace.trainer.losses import expected_accepted_length
 
     probs = torch.tensor([[0.5, 0.4, 0.9], [1.0, 1.0, 1.0], [0.5, 0.4, 0.9]])
     acceptable = torch.tensor([[True, True, True], [True, True, True], [True, False, True]])
@@ -111,8 +111,8 @@ def test_expected_accepted_length():
 
 
 def test_block_loss_eal_and_out_of_vocabulary_labels():
-    from hf_retrace.draft_vocab import TrainingDraftHead
-    from hf_retrace.training_forward import LossSettings, block_loss
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.objective import LossSettings, block_loss
 
     head = torch.nn.Linear(4, 10, bias=False)
     hidden = torch.randn(1, 2, 4, 4, requires_grad=True)  # [b, N, B, H]

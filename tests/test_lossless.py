@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, SUPPORT, make_drafter, make_target, random_prompt
+from conftest import ARCHITECTURES, SUPPORT, make_drafter, make_target, random_prompt, run_fresh_python
 from hf_retrace import RETRACE_MODES, retrace_generate
 
 
@@ -64,17 +64,41 @@ def test_eos_inside_a_block_stops_like_the_target(mode):
     assert got[0, -1].item() == eos
 
 
-def test_custom_generate_route_is_lossless_and_patches_nothing(tiny_target, tiny_drafter):
-    from transformers.generation.utils import GenerationMixin
+PATCHES_NOTHING = r"""
+import torch
+from transformers.generation.utils import GenerationMixin
+from conftest import make_drafter, make_target, random_prompt
+from hf_retrace import retrace_generate
 
-    before = GenerationMixin._get_candidate_generator
-    prompt = random_prompt(7, seed=11)
-    expected = _greedy(tiny_target, prompt, max_new_tokens=25)
-    got = _greedy(tiny_target, prompt, max_new_tokens=25, custom_generate=retrace_generate, drafter=tiny_drafter)
-    assert got.tolist() == expected.tolist()
-    assert GenerationMixin._get_candidate_generator is before
-    assert "_get_candidate_generator" not in vars(tiny_target)
-    assert tiny_drafter.last_generation_stats.num_drafter_forwards > 0
+# importing hf_retrace installed the assistant_model= hook; take it off again, so what follows shows that the
+# custom_generate route neither needs it nor puts anything back
+GenerationMixin._get_candidate_generator = GenerationMixin._get_candidate_generator.__wrapped__
+GenerationMixin._validate_generation_mode = GenerationMixin._validate_generation_mode.__wrapped__
+target = make_target("qwen3")
+drafter = make_drafter(target)
+classes = [cls for cls in type(target).__mro__ if cls is not object]
+before = {cls: dict(vars(cls)) for cls in classes}
+instance_before = set(vars(target))
+prompt = random_prompt(7, seed=11)
+expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=25)
+got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=25, custom_generate=retrace_generate,
+                      drafter=drafter)
+assert got.tolist() == expected.tolist(), (got, expected)
+assert drafter.last_generation_stats.num_drafter_forwards > 0
+assert not getattr(GenerationMixin._get_candidate_generator, "_retrace_hook", False)
+assert not getattr(GenerationMixin._validate_generation_mode, "_retrace_hook", False)
+changed = [cls.__name__ for cls in classes if dict(vars(cls)) != before[cls]]
+assert not changed, changed
+assert set(vars(target)) == instance_before, set(vars(target)) ^ instance_before
+print("OK")
+"""
+
+
+def test_custom_generate_route_is_lossless_and_patches_nothing():
+    """In a fresh process with the hook taken off: the route is lossless and leaves every class of the target's MRO
+    (GenerationMixin included) and the target instance as they were."""
+    proc = run_fresh_python(PATCHES_NOTHING)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 def test_streamer_and_logits_processor_are_honoured(tiny_target, tiny_drafter):
@@ -108,7 +132,7 @@ def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
     """`draft_logits_dtype="bfloat16"`: the generator scores drafts with a cached bf16 copy of the lm head (fp32
     logits out, so sampler and acceptance test read the same q; see test_sampling.py); greedy output is still the
     target's."""
-    from hf_retrace.generation_retrace import DraftLMHead, draft_lm_head
+    from hf_retrace.models.generation_retrace import DraftLMHead, draft_lm_head
 
     target = make_target("llama")
     drafter = make_drafter(target, block_size=BLOCK, mode="corrected")

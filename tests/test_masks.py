@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_retrace.masks import build_block_mask, build_verification_mask, to_additive_mask
+from hf_retrace.trainer.masks import build_block_mask, build_verification_mask, to_additive_mask
 
 
 def _rows(mask):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.assets import load_default_target
-from hf_retrace.hub import validate_folder
-from hf_retrace.hub_validation import CODE_FILES
+from hf_retrace.data.assets import load_default_target
+from hf_retrace.hub.publish import validate_folder
+from hf_retrace.hub.validation import CODE_FILES
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,10 +37,27 @@ def test_from_target_sizes_the_drafter(tiny_target):
     drafter = ReTraceDrafterModel.from_target(tiny_target, num_hidden_layers=2, block_size=8)
     cfg = drafter.config
     assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (32, 128, 4)
-    assert cfg.target_layer_ids == [1, 1] or len(cfg.target_layer_ids) == 2
+    # the DFlash rule on 4 layers spans layers 1..max(4-3, 1): both ids are layer 1
+    assert cfg.target_layer_ids == [1, 1]
     assert cfg.mask_token_id == 127 and cfg.block_size == 8 and cfg.retrace_mode == "corrected"
     assert torch.count_nonzero(drafter.retrace.value_proj.weight) == 0  # W_v zero-initialised
     assert torch.count_nonzero(drafter.retrace.gate) == cfg.hidden_size  # gate non-zero
+
+
+def test_from_target_sizes_the_drafter_for_a_deep_target():
+    """A 36-layer target config (no weights needed): five ids by the DFlash rule, sizes and GQA heads copied."""
+    import transformers
+
+    target_config = transformers.Qwen3Config(
+        vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=36, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    drafter = ReTraceDrafterModel.from_target(target_config, num_hidden_layers=5)
+    cfg = drafter.config
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.num_target_layers == 36
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.mask_token_id) == (48, 80, 300, 299)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (6, 2, 16)
+    assert drafter.fc.weight.shape == (48, 5 * 48) and len(drafter.layers) == 5
 
 
 def _block_inputs(drafter, ctx_len=5, seed=0):

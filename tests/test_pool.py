@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import SUPPORT, make_target, random_prompt
-from hf_retrace.continuous_generation import ContinuousBatchGenerator, PromptItem
-from hf_retrace.data import DataCollatorWithFeatures
-from hf_retrace.pool import (
+from hf_retrace.data.continuous_generation import ContinuousBatchGenerator, PromptItem
+from hf_retrace.data.responses import DataCollatorWithFeatures
+from hf_retrace.data.pool import (
     build_pool,
     cache_pool_features,
     load_feature_dataset,

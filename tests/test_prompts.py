@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_retrace import prompts
-from hf_retrace.prompts import EVAL_SEED_OFFSET, PROMPT_SETS, load_prompts
+from hf_retrace.data import prompts
+from hf_retrace.data.prompts import EVAL_SEED_OFFSET, PROMPT_SETS, load_prompts
 
 
 def _is_conversation(p):
@@ -140,7 +140,7 @@ def test_reasoning_gym_programs_run_in_a_scratch_directory(tmp_path, monkeypatch
 
 
 def test_finite_sets_split_train_and_eval_apart(small_stdlib):
-    from hf_retrace.prompts import SPLIT_SETS
+    from hf_retrace.data.prompts import SPLIT_SETS
 
     for name in SPLIT_SETS:
         whole = load_prompts(name)

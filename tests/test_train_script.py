@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.training_setup import build_tiny_target
+from hf_retrace.trainer.setup import build_tiny_target
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ _RECORDING_LAUNCHER = textwrap.dedent(
     """
     # Runs training/train.py unchanged, recording each rank's batches and final weights next to the output.
     import json, os, runpy, sys
-    import hf_retrace.trainer as trainer_module
+    import hf_retrace.trainer.trainer as trainer_module
 
     seen = []
     compute_loss = trainer_module.ReTraceTrainer.compute_loss
@@ -127,8 +127,8 @@ def test_two_cpu_processes_ddp(tmp_path):
 def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, mode):
     """train.py on a feature cache (the target's decoder never runs in a step), with a reduced draft vocabulary
     chosen from the responses; the saved drafter keeps its vocabulary and decodes losslessly."""
-    from hf_retrace.continuous_generation import PromptItem
-    from hf_retrace.pool import build_pool
+    from hf_retrace.data.continuous_generation import PromptItem
+    from hf_retrace.data.pool import build_pool
 
     target = build_tiny_target()
     items = [PromptItem(i, "rand", torch.randint(1, 128, (4 + i % 5,), generator=torch.Generator().manual_seed(i))

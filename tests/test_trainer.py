@@ -8,9 +8,9 @@ import torch
 from datasets import Dataset
 
 from hf_retrace import ReTraceDrafterModel
-from hf_retrace.trainer import ReTraceTrainer
-from hf_retrace.trainer_config import ReTraceConfig
-from hf_retrace.training_setup import build_tiny_target, synthetic_dataset
+from hf_retrace.trainer.trainer import ReTraceTrainer
+from hf_retrace.trainer.config import ReTraceConfig
+from hf_retrace.trainer.setup import build_tiny_target, synthetic_dataset
 
 
 B = 4

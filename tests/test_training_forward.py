@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DFlashCache
 
 from hf_retrace import ReTraceDrafterModel, build_rejected_trajectory
-from hf_retrace.losses import IGNORE_INDEX
-from hf_retrace.target_features import compute_target_features, embed_tokens
-from hf_retrace.training_forward import (
+from hf_retrace.trainer.losses import IGNORE_INDEX
+from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+from hf_retrace.trainer.objective import (
     align_rejected_trajectory,
     block_labels,
     draft_blocks,
@@ -22,7 +22,7 @@ from hf_retrace.training_forward import (
     simulate_retrace_rounds,
     teacher_forced_verification_features,
 )
-from hf_retrace.training_setup import build_tiny_target
+from hf_retrace.trainer.setup import build_tiny_target
 
 
 B = 4
@@ -283,9 +283,9 @@ def test_grouped_drafter_forwards_equal_one_forward(models):
 def test_cached_features_replace_the_target(models):
     """With cached features (and teacher-forced verification features) a step never calls the target's decoder,
     and gives the loss of the online step."""
-    from hf_retrace.draft_vocab import TrainingDraftHead
-    from hf_retrace.losses import loss_decay_weights
-    from hf_retrace.training_forward import LossSettings, dflash_training_step
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.losses import loss_decay_weights
+    from hf_retrace.trainer.objective import LossSettings, dflash_training_step
 
     target, drafter = models
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(6))

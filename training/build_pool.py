@@ -2,7 +2,7 @@
 # dependencies = ["hf-retrace[train,eval,assets]"]
 # ///
 """Builds the drafter's training pool with a batch kept full: token shards (small, committable) and the target's
-features (big, rebuildable), resumably. `hf_retrace.pool` documents the formats.
+features (big, rebuildable), resumably. `hf_retrace.data.pool` documents the formats.
 
 ```bash
 # the SmolLM2 pool (~1M response tokens, fp32 greedy); rerun the same command to resume
@@ -21,8 +21,8 @@ import logging
 import torch
 
 from generate_data import load_target, parse_mix, select_prompts
-from hf_retrace.data import _prompt_ids
-from hf_retrace.pool import build_pool, cache_pool_features, pool_prompt_stream
+from hf_retrace.data.responses import _prompt_ids
+from hf_retrace.data.pool import build_pool, cache_pool_features, pool_prompt_stream
 
 
 DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)

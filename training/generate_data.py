@@ -13,13 +13,13 @@ python training/generate_data.py --target default \
 
 Every source is split into chunks of `--chunk-size` prompts and the chunks are generated round-robin across sources
 (chunk 0 of every source, then chunk 1, ...). Each chunk is one resumable, fingerprint-cached
-`hf_retrace.data.generate_responses` call under `<output>/cache`, and after every chunk the combined dataset of
+`hf_retrace.data.responses.generate_responses` call under `<output>/cache`, and after every chunk the combined dataset of
 everything finished so far is written to `<output>/dataset` (a `datasets` folder with a `source` column). So the
 output is usable, and balanced across sources, at any time, and rerunning the same command resumes where it stopped.
 
 Prompts longer than `--max-prompt-tokens` (chat template included) are dropped and replaced by further items of the
 same set (codeio questions embed whole programs and can run to 14k tokens). reasoning-gym sets use training seeds
-`--seed .. --seed + n` (kept below `hf_retrace.prompts.EVAL_SEED_OFFSET`, which evaluation uses).
+`--seed .. --seed + n` (kept below `hf_retrace.data.prompts.EVAL_SEED_OFFSET`, which evaluation uses).
 """
 
 import argparse
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from hf_retrace.data import _prompt_ids, generate_responses
-from hf_retrace.prompts import EVAL_SEED_OFFSET, load_prompts
+from hf_retrace.data.responses import _prompt_ids, generate_responses
+from hf_retrace.data.prompts import EVAL_SEED_OFFSET, load_prompts
 
 
 logger = logging.getLogger("generate_data")
@@ -45,7 +45,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a model path"
     )
     parser.add_argument("--mix", default="gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300",
-                        help="comma-separated name:num_prompts (names as in hf_retrace.prompts.load_prompts)")
+                        help="comma-separated name:num_prompts (names as in hf_retrace.data.prompts.load_prompts)")
     parser.add_argument("--output", default="data_cache/smollm2", help="output folder")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -80,7 +80,7 @@ def parse_mix(mix: str) -> list[tuple[str, int]]:
 
 def load_target(target: str, dtype: torch.dtype):
     if target == "default":
-        from hf_retrace.assets import load_default_target
+        from hf_retrace.data.assets import load_default_target
 
         return load_default_target(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from hf_retrace.trainer import ReTraceTrainer
-from hf_retrace.trainer_config import ReTraceConfig
-from hf_retrace.training_setup import init_drafter, load_target, synthetic_dataset
+from hf_retrace.trainer.trainer import ReTraceTrainer
+from hf_retrace.trainer.config import ReTraceConfig
+from hf_retrace.trainer.setup import init_drafter, load_target, synthetic_dataset
 
 
 SYNTHETIC = "synthetic"
@@ -58,7 +58,7 @@ SYNTHETIC = "synthetic"
 @dataclass
 class ReTraceScriptArguments(ScriptArguments):
     """Data arguments. `dataset_name`: `synthetic` (random prompts answered by the target, for smoke tests), a
-    `save_to_disk` folder (e.g. the output of `hf_retrace.data.generate_responses`), a `.json`/`.jsonl` file, or a
+    `save_to_disk` folder (e.g. the output of `hf_retrace.data.responses.generate_responses`), a `.json`/`.jsonl` file, or a
     Hub dataset. Rows are either tokenized (`input_ids`, `loss_mask`) or chat `messages` (tokenized here)."""
 
     synthetic_num_examples: int = field(default=64, metadata={"help": "Rows of the `synthetic` dataset."})
@@ -72,7 +72,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     if name is None:
         raise ValueError("Set `dataset_name` (e.g. `synthetic`, a saved dataset folder or a .jsonl file).")
     if training_args.feature_source == "cached":
-        from hf_retrace.pool import load_feature_dataset
+        from hf_retrace.data.pool import load_feature_dataset
 
         return load_feature_dataset(name, target_name=training_args.target_name_or_path).with_format("numpy")
     if name == SYNTHETIC:
@@ -94,7 +94,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
         raise ValueError(
             f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer."
         )
-    from hf_retrace.data import tokenize_conversations
+    from hf_retrace.data.responses import tokenize_conversations
 
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
@@ -115,7 +115,7 @@ def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
     """Gives a full-vocabulary drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
     [`most_frequent_tokens`])."""
-    from hf_retrace.draft_vocab import coverage, most_frequent_tokens
+    from hf_retrace.trainer.draft_vocab import coverage, most_frequent_tokens
 
     if drafter.draft_vocab_ids is not None:
         if drafter.config.draft_vocab_size == size:
@@ -137,7 +137,7 @@ def feature_collator(dataset, drafter, training_args: ReTraceConfig):
         return None
     import json
 
-    from hf_retrace.data import DataCollatorWithFeatures
+    from hf_retrace.data.responses import DataCollatorWithFeatures
 
     meta = json.loads(dataset.info.description)
     return DataCollatorWithFeatures(

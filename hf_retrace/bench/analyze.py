@@ -22,18 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .bench import (
-    DTYPES,
-    split_retrace_mode,
-    torch_threads,
-    encode_prompt_set,
-    load_drafter,
-    load_target,
-    parse_prompt_sets,
-    prompt_set_label,
-)
-from .generation_retrace import draft_lm_head
-from .prompts import EVAL_SEED_OFFSET
+from ..data.prompts import EVAL_SEED_OFFSET
+from ..models.generation_retrace import draft_lm_head
+from .methods import load_drafter, split_retrace_mode
+from .run import DTYPES, encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label, torch_threads
 
 
 PAPER_REFERENCE = "paper (DFlash-b16 on Qwen3): top-1 30.4%, top-5 75.2%"

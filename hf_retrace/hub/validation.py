@@ -1,4 +1,4 @@
-"""Checks that a drafter folder can be published to the Hub (layout in `hf_retrace.hub`).
+"""Checks that a drafter folder can be published to the Hub (layout in `hf_retrace.hub.publish`).
 
 [`validate_folder`] raises [`HubFolderError`] listing every problem with its fix: missing or unloadable weights,
 config vs weight-shape mismatches, missing code files or `auto_map`, and code files that import `hf_retrace`
@@ -13,8 +13,8 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 
-from .configuration_retrace import ReTraceDrafterConfig
-from .modeling_retrace import ReTraceDrafterModel
+from ..models.configuration_retrace import ReTraceDrafterConfig
+from ..models.modeling_retrace import ReTraceDrafterModel
 
 
 CODE_FILES = ("configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py")

@@ -1,6 +1,6 @@
 """The model card of a ReTrace drafter repo: evaluation JSON, its results table, rendering and metadata checks.
 
-[`render_model_card`] fills `hf_retrace/templates/model_card.md`; [`check_card_metadata`] checks its metadata offline.
+[`render_model_card`] fills `hf_retrace/hub/templates/model_card.md`; [`check_card_metadata`] checks its metadata offline.
 
 Evaluation JSON schema (input of the card's table; `hf-retrace bench` output is expected to follow it):
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .hub_validation import is_repo_id
+from .validation import is_repo_id
 
 
 CARD_TAGS = ("speculative-decoding", "dflash", "retrace")
@@ -73,7 +73,7 @@ def render_model_card(
     config, *, repo_id: str, base_model=None, license="apache-2.0", datasets=None, eval_data=None,
     num_parameters=None, template_path=None,
 ) -> ModelCard:  # fmt: skip
-    """Renders `hf_retrace/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
+    """Renders `hf_retrace/hub/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
 
     Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (the target), `license`,
     `tags` [`CARD_TAGS`], `datasets`. The usage snippet loads `repo_id` and `base_model`.

@@ -1,6 +1,6 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Template of `custom_generate/generate.py` in a ReTrace drafter repo, written there by `hf_retrace.hub`.
+# Template of `custom_generate/generate.py` in a ReTrace drafter repo, written there by `hf_retrace.hub.publish`.
 # Hub file: imports transformers only, so it runs without hf_retrace installed.
 """`custom_generate` recipe of a ReTrace drafter repo: ReTrace speculative decoding with the drafter stored in the same
 repo or folder.
@@ -8,7 +8,7 @@ repo or folder.
     out = target.generate(**inputs, custom_generate="<repo id or folder>", trust_remote_code=True, max_new_tokens=64)
 
 transformers copies this file into its modules cache, so `__file__` does not tell where the drafter lives. Instead
-`hf_retrace.hub` writes it into `DRAFTER_SOURCE` below: the Hub repo id once published (or when `repo_id=` is given
+`hf_retrace.hub.publish` writes it into `DRAFTER_SOURCE` below: the Hub repo id once published (or when `repo_id=` is given
 to `save_for_hub`), otherwise the absolute path of the folder it was saved to. Pass `drafter=` (a loaded drafter, a
 repo id or a folder) to override it, and `drafter_kwargs=` (e.g. `{"revision": "v1"}`) for its `from_pretrained`.
 """
@@ -19,7 +19,7 @@ import importlib
 from transformers import AutoModel
 
 
-DRAFTER_SOURCE = None  # written by hf_retrace.hub: repo id or absolute folder of the drafter
+DRAFTER_SOURCE = None  # written by hf_retrace.hub.publish: repo id or absolute folder of the drafter
 
 
 @functools.lru_cache(maxsize=4)

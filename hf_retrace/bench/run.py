@@ -13,7 +13,7 @@ Methods (comma separated; `ar` is added first when missing, it is the reference)
     dflash=FOLDER         the drafter in FOLDER run with `retrace_mode="off"` (plain DFlash)
     NAME=FOLDER[:MODE]    the drafter in FOLDER, as saved or with `retrace_mode` MODE (off|overwrite|gated|corrected)
 
-Prompt sets: `NAME[:COUNT]` with NAME a set of `hf_retrace.prompts.load_prompts` (chat prompts, evaluation seeds
+Prompt sets: `NAME[:COUNT]` with NAME a set of `hf_retrace.data.prompts.load_prompts` (chat prompts, evaluation seeds
 `>= 10000`), a `.jsonl` of `{"prompt"}`/`{"messages"}` records, or a `.jsonl` of `{"input_ids": [...]}` records
 (token ids used as is; for targets without a tokenizer).
 
@@ -29,10 +29,10 @@ and a one-token decode step, which is numerics, not a lossless bug (seen on Smol
 
 Outputs in `--output-dir`: `results.json` (`results`: one row per method x prompt set plus `pooled`), `results.md`,
 `tau.png`, `acceptance_histograms.png`. With `--baseline NAME`, also every method's tau relative to NAME's with a
-paired bootstrap interval over prompts (`hf_retrace.bench_stats`; `paired_tau` in the JSON).
+paired bootstrap interval over prompts (`hf_retrace.bench.stats`; `paired_tau` in the JSON).
 
-This module is the CLI, the parsing and the interleaved run; the lossless check and the outputs are in
-`hf_retrace.bench_report`, the timing instruments in `hf_retrace.bench_timing`.
+This module is the CLI, the parsing and the interleaved run; the methods are in `hf_retrace.bench.methods`, the
+lossless check and the outputs in `hf_retrace.bench.report`, the timing instruments in `hf_retrace.bench.timing`.
 """
 
 import argparse
@@ -40,8 +40,7 @@ import contextlib
 import json
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -49,73 +48,13 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .bench_report import (
-    REFERENCE,
-    Generation,
-    add_logit_gaps,
-    check_lossless,
-    render_markdown,
-    summarize,
-    write_outputs,
-)
-from .bench_stats import paired_tau_table
-from .bench_timing import ConditioningTimer, TargetCycleRecorder
-from .configuration_retrace import RETRACE_MODES
-from .modeling_retrace import ReTraceDrafterModel
-from .prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
+from ..data.prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
+from .methods import Generation, Method, parse_methods
+from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
+from .stats import paired_tau_table
 
 
-DEFAULT_LOOKUP_TOKENS = 10
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass
-class MethodSpec:
-    """One `--methods` entry. `kind` is `ar`, `prompt_lookup` or `drafter`; `retrace_mode=None` keeps the saved one."""
-
-    name: str
-    kind: str
-    folder: str | None = None
-    retrace_mode: str | None = None
-    num_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS
-
-
-def parse_methods(text: str) -> list[MethodSpec]:
-    """Parses `ar,prompt_lookup[=K],dflash=FOLDER,NAME=FOLDER[:MODE],...`; `ar` is prepended when absent."""
-    specs = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, has_value, value = item.partition("=")
-        if name == REFERENCE and not has_value:
-            specs.append(MethodSpec(name, "ar"))
-        elif name == "prompt_lookup":
-            specs.append(
-                MethodSpec(name, "prompt_lookup", num_lookup_tokens=int(value) if has_value else DEFAULT_LOOKUP_TOKENS)
-            )
-        elif has_value and value and name not in (REFERENCE, "pooled"):
-            folder, mode = split_retrace_mode(value)
-            if name == "dflash":
-                if mode not in (None, "off"):
-                    raise ValueError(
-                        f"`dflash` always runs with retrace_mode='off'; name the method otherwise: {item}"
-                    )
-                mode = "off"
-            specs.append(MethodSpec(name, "drafter", folder, mode))
-        else:
-            raise ValueError(
-                f"cannot parse method {item!r}; expected ar, prompt_lookup[=K], dflash=FOLDER or NAME=FOLDER[:MODE]"
-            )
-    names = [spec.name for spec in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"method names must be unique, got {names}")
-    if REFERENCE not in names:
-        specs.insert(0, MethodSpec(REFERENCE, "ar"))
-    return specs
-
-
-def split_retrace_mode(value: str) -> tuple[str, str | None]:
-    """`FOLDER:MODE` -> `(FOLDER, MODE)` when MODE is a retrace mode, else `(value, None)` (colons in paths stay)."""
-    folder, sep, mode = value.rpartition(":")
-    return (folder, mode) if sep and mode in RETRACE_MODES else (value, None)
 
 
 def parse_prompt_sets(text: str) -> list[tuple[str, int | None]]:
@@ -161,7 +100,7 @@ def encode_prompt_set(name: str, count: int | None, tokenizer, seed: int) -> lis
 def load_target(target: str, dtype: torch.dtype, device: str):
     """`default` (SmolLM2-135M-Instruct, offline) or a `save_pretrained` folder; the tokenizer is optional there."""
     if target == "default":
-        from .assets import load_default_target
+        from ..data.assets import load_default_target
 
         model, tokenizer = load_default_target(dtype)
     else:
@@ -169,76 +108,6 @@ def load_target(target: str, dtype: torch.dtype, device: str):
         has_tokenizer = any((Path(target) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(target) if has_tokenizer else None
     return model.to(device), tokenizer
-
-
-def load_drafter(
-    folder: str, retrace_mode: str | None, dtype: torch.dtype, device, draft_logits_dtype: str | None = None
-) -> ReTraceDrafterModel:
-    """Loads a drafter folder, optionally overriding its `retrace_mode` and `draft_logits_dtype` (same weights)."""
-    drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=dtype)
-    if retrace_mode is not None:
-        drafter.set_retrace_mode(retrace_mode)
-    if draft_logits_dtype is not None:
-        drafter.config.draft_logits_dtype = None if draft_logits_dtype == "target" else draft_logits_dtype
-    return drafter.to(device).eval()
-
-
-class Method:
-    """A loaded `MethodSpec`: what to pass to `generate`, and how to read its cycles."""
-
-    def __init__(self, spec: MethodSpec, dtype: torch.dtype, device, draft_logits_dtype: str | None = None):
-        self.spec, self.name = spec, spec.name
-        self.drafter = None
-        if spec.kind == "drafter":
-            self.drafter = load_drafter(spec.folder, spec.retrace_mode, dtype, device, draft_logits_dtype)
-
-    @property
-    def block_size(self) -> int:
-        """Most tokens one cycle can commit."""
-        if self.drafter is not None:
-            return self.drafter.config.block_size
-        return self.spec.num_lookup_tokens + 1 if self.spec.kind == "prompt_lookup" else 1
-
-    @property
-    def retrace_mode(self) -> str | None:
-        return None if self.drafter is None else self.drafter.config.retrace_mode
-
-    def generate_kwargs(self) -> dict:
-        if self.spec.kind == "prompt_lookup":
-            return {"prompt_lookup_num_tokens": self.spec.num_lookup_tokens}
-        return {"assistant_model": self.drafter} if self.drafter is not None else {}
-
-    def run(self, target, input_ids: torch.LongTensor, generate_kwargs: dict, prompt_set: str, index: int):
-        recorder = TargetCycleRecorder(target, input_ids.shape[1])
-        timer = ConditioningTimer(self.drafter) if self.drafter is not None else None
-        try:
-            with timer if timer is not None else contextlib.nullcontext():
-                _sync(target.device)
-                start = time.perf_counter()
-                output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **generate_kwargs,
-                                         **self.generate_kwargs())  # fmt: skip
-                _sync(target.device)
-                seconds = time.perf_counter() - start
-        finally:
-            recorder.remove()
-        per_forward = recorder.committed(output.shape[1])
-        stats = self.drafter.last_generation_stats if self.drafter is not None else None
-        return Generation(
-            method=self.name,
-            prompt_set=prompt_set,
-            prompt_index=index,
-            token_ids=output[0, input_ids.shape[1] :].tolist(),
-            seconds=seconds,
-            acceptance_lengths=list(stats.acceptance_lengths) if stats is not None else per_forward,
-            target_forwards=len(per_forward),
-            conditioning_seconds=timer.seconds if timer is not None else 0.0,
-            num_conditioned_rounds=stats.num_conditioned_rounds if stats is not None else 0,
-        )
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_interleaved(target, methods, prompt_sets, generate_kwargs, seed=None, progress=True) -> list[Generation]:

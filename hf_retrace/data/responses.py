@@ -127,7 +127,7 @@ def generate_responses(
     Args:
         target (`PreTrainedModel`): the target (causal LM) whose responses are wanted.
         tokenizer (`PreTrainedTokenizerBase`): its tokenizer, with a chat template.
-        prompts (`list[list[dict]]`): chat conversations, e.g. from `hf_retrace.prompts.load_prompts`.
+        prompts (`list[list[dict]]`): chat conversations, e.g. from `hf_retrace.data.prompts.load_prompts`.
         output_dir (`str` or `os.PathLike`): cache root; results go in a sub-folder named by the fingerprint.
         max_new_tokens (`int`, *optional*, defaults to 256): generation budget per prompt.
         batch_size (`int`, *optional*, defaults to 32): prompts per `generate` call.
@@ -328,7 +328,7 @@ class DataCollatorForReTrace:
 
 @dataclass
 class DataCollatorWithFeatures:
-    """Collates rows of a feature cache ([`hf_retrace.pool.load_feature_dataset`]): right-padded `input_ids`,
+    """Collates rows of a feature cache ([`hf_retrace.data.pool.load_feature_dataset`]): right-padded `input_ids`,
     `attention_mask`, `loss_mask` (1 on response tokens, from `prompt_length`) and the cached target `features`.
 
     Args:

@@ -6,7 +6,7 @@ narrow. Each resample draws the prompts with replacement, recomputes both method
 summed over the drawn prompts' cycles / their number of cycles) and takes the ratio; the 95% interval is the 2.5th
 and 97.5th percentiles. A ratio whose interval contains 1 is a difference this run cannot tell from prompt noise.
 
-    python -m hf_retrace.bench_stats results/smollm2/results.json --baseline control
+    python -m hf_retrace.bench.stats results/smollm2/results.json --baseline control
 """
 
 import argparse
@@ -95,7 +95,7 @@ def _ratio(stats) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hf_retrace.bench_stats", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hf_retrace.bench.stats", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a results.json written by `hf-retrace bench`")
     parser.add_argument("--baseline", required=True, help="method name to compare against (e.g. control)")
     parser.add_argument("--num-resamples", type=int, default=2000)

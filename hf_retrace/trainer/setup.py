@@ -6,8 +6,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from .drafter_init import init_drafter_from_target
-from .modeling_retrace import ReTraceDrafterModel
-from .trainer_config import ReTraceConfig
+from ..models.modeling_retrace import ReTraceDrafterModel
+from .config import ReTraceConfig
 
 
 TINY_TARGET_NAME = "tiny-random-qwen3"
@@ -27,7 +27,7 @@ def load_target(name_or_path: str, dtype: str = "bfloat16"):
     """Loads the frozen target and its tokenizer.
 
     Args:
-        name_or_path (`str`): `"default"` ([`hf_retrace.assets.load_default_target`], offline SmolLM2-135M-Instruct),
+        name_or_path (`str`): `"default"` ([`hf_retrace.data.assets.load_default_target`], offline SmolLM2-135M-Instruct),
             `"tiny-random-qwen3"` ([`build_tiny_target`], no tokenizer), or a path/Hub id.
         dtype (`str`): `"auto"`, `"float32"`, `"bfloat16"` or `"float16"`.
     Returns:
@@ -35,7 +35,7 @@ def load_target(name_or_path: str, dtype: str = "bfloat16"):
     """
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     if name_or_path == "default":
-        from .assets import load_default_target  # needs the optional `assets` extra
+        from ..data.assets import load_default_target  # needs the optional `assets` extra
 
         target, tokenizer = load_default_target(dtype=torch.bfloat16 if torch_dtype == "auto" else torch_dtype)
     elif name_or_path == TINY_TARGET_NAME:

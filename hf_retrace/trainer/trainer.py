@@ -9,12 +9,12 @@ from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
-from .generation_retrace import validate_drafter_for_target
+from ..models.generation_retrace import validate_drafter_for_target
 from .losses import loss_decay_weights
-from .modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
-from .trainer_config import ReTraceConfig
+from ..models.modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
+from .config import ReTraceConfig
 from .draft_vocab import TrainingDraftHead
-from .training_forward import LossSettings, dflash_training_step, retrace_training_step
+from .objective import LossSettings, dflash_training_step, retrace_training_step
 
 
 logger = logging.get_logger(__name__)
@@ -39,8 +39,8 @@ class ReTraceTrainer(Trainer):
         target (`PreTrainedModel`): the frozen target (embeddings, lm head and context features).
         args ([`ReTraceConfig`], *optional*).
         train_dataset (`datasets.Dataset`): rows with `input_ids` and `loss_mask` (1 on response tokens), e.g. from
-            `hf_retrace.data.tokenize_conversations`.
-        data_collator (*optional*): defaults to `hf_retrace.data.DataCollatorForReTrace` (right padding).
+            `hf_retrace.data.responses.tokenize_conversations`.
+        data_collator (*optional*): defaults to `hf_retrace.data.responses.DataCollatorForReTrace` (right padding).
         peft_config (`peft.PeftConfig`, *optional*): LoRA on the backbone; the ReTrace modules train fully
             (`modules_to_save=["retrace"]` is added when missing).
 
@@ -63,7 +63,7 @@ class ReTraceTrainer(Trainer):
         if peft_config is not None:
             model = _wrap_peft(model, peft_config)
         if data_collator is None:
-            from .data import DataCollatorForReTrace  # the data module pulls in `datasets`
+            from ..data.responses import DataCollatorForReTrace  # the data module pulls in `datasets`
 
             data_collator = DataCollatorForReTrace(pad_token_id=target.config.get_text_config().pad_token_id or 0)
         super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator, **kwargs)
@@ -100,7 +100,7 @@ class ReTraceTrainer(Trainer):
         if args.feature_source == "cached" and features is None:
             raise ValueError(
                 "feature_source='cached' but the batch has no `features`: train on a feature cache "
-                "(`hf_retrace.pool.load_feature_dataset`, collated by `DataCollatorWithFeatures`)."
+                "(`hf_retrace.data.pool.load_feature_dataset`, collated by `DataCollatorWithFeatures`)."
             )
         common = dict(
             num_anchors=args.num_anchors, loss=self.loss_settings, generator=generator,
@@ -260,7 +260,7 @@ def _validate_dataset(dataset) -> None:
     missing = [c for c in ("input_ids", "loss_mask") if c not in columns]
     if missing:
         raise ValueError(
-            f"train_dataset lacks {missing}; tokenize it first with `hf_retrace.data.tokenize_conversations`."
+            f"train_dataset lacks {missing}; tokenize it first with `hf_retrace.data.responses.tokenize_conversations`."
         )
     for mask in dataset["loss_mask"] if hasattr(dataset, "column_names") else (row["loss_mask"] for row in dataset):
         if any(a and b for a, b in pairwise(mask)):

@@ -26,7 +26,7 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from transformers.utils import logging
 
 from .continuous_generation import ContinuousBatchGenerator, GeneratedRow, PromptItem
-from .target_features import compute_target_features
+from ..trainer.target_features import compute_target_features
 
 
 logger = logging.get_logger(__name__)

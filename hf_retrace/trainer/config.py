@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .configuration_retrace import RETRACE_MODES
+from ..models.configuration_retrace import RETRACE_MODES
 from .losses import LOSS_TYPES, default_loss_decay_gamma
-from .training_forward import VERIFICATION_FEATURES
+from .objective import VERIFICATION_FEATURES
 
 
 TRAINING_MODES = ("dflash", "retrace", "retrace_modules_only")
@@ -50,7 +50,7 @@ class ReTraceConfig(TrainingArguments):
         num_anchors (`int`, *optional*, defaults to `512`): blocks sampled per sequence per step.
         feature_source (`str`, *optional*, defaults to `"online"`): where the target's context features come from.
             `online`: a no-grad target forward inside every step (large-scale runs whose features do not fit on
-            disk). `cached`: the `features` column of the dataset (`hf_retrace.pool`), so the step never runs the
+            disk). `cached`: the `features` column of the dataset (`hf_retrace.data.pool`), so the step never runs the
             target (except for ReTrace's `faithful` verification features, which depend on the drafts).
 
         > Parameters that control the training

@@ -1,4 +1,4 @@
-"""Timing instruments of `hf-retrace bench` (measurement: `hf_retrace.bench` module docstring).
+"""Timing instruments of `hf-retrace bench` (measurement: `hf_retrace.bench.run` module docstring).
 
 [`TargetCycleRecorder`] counts the tokens each target forward commits (one forward = one cycle, for `ar` and prompt
 lookup); [`ConditioningTimer`] measures the wall time ReTrace spends on conditioning. Neither changes a computation.
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .modeling_retrace import ReTraceDrafterModel
+from ..models.modeling_retrace import ReTraceDrafterModel
 
 
 class TargetCycleRecorder:

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from .draft_vocab import TrainingDraftHead
 from .losses import IGNORE_INDEX, count_accepted, expected_accepted_length, slot_log_likelihoods
 from .masks import build_block_mask, build_verification_mask, to_additive_mask
-from .modeling_retrace import ReTraceConditioning
+from ..models.generation_retrace import ReTraceConditioning
 from .target_features import compute_target_features, embed_tokens
 
 

@@ -1,13 +1,13 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch, transformers and `.configuration_retrace` only, so `trust_remote_code=True` loads it.
+# Hub file: imports torch, transformers, `.configuration_retrace` and `.generation_retrace` only, so
+# `trust_remote_code=True` loads it.
 """The ReTrace drafter: a DFlash block drafter (weight-compatible with z-lab DFlash checkpoints) plus the
 rejected-trajectory conditioning modules of ReTrace (arXiv 2608.29748, Sec. 3)."""
 
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,23 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import cached_file
 
 from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
-
-
-@dataclass
-class ReTraceConditioning:
-    """The previous round's rejected suffix, aligned slot by slot with the next draft block.
-
-    Args:
-        hidden_states (`torch.Tensor` of shape `(batch_size, num_slots, hidden_size)`):
-            drafter final (post-norm) hidden states placed on the slots they condition; zeros elsewhere.
-        target_features (`torch.Tensor` of shape `(batch_size, num_slots, len(target_layer_ids) * hidden_size)`):
-            target verification features of the position that scored each retained draft; zeros elsewhere.
-        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`): which slots are conditioned.
-    """
-
-    hidden_states: torch.Tensor
-    target_features: torch.Tensor
-    slot_mask: torch.Tensor
+from .generation_retrace import ReTraceConditioning  # importing the generation file installs the generate hook
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
@@ -258,9 +242,8 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
             self.draft_vocab_ids = None
         self.last_generation_stats = None
         self.post_init()
-        _install_generate_hook()
 
-    # Set by `import hf_retrace` to `hf_retrace.hub.push_to_hub` (card + custom_generate/ recipe). Remote-code copies
+    # Set by `import hf_retrace` to `hf_retrace.hub.publish.push_to_hub` (card + custom_generate/ recipe). Remote-code copies
     # loaded without the package keep transformers' own push_to_hub, which still ships the code files via auto_map.
     hub_publisher = None
 
@@ -457,15 +440,7 @@ def _dtype_of(target) -> torch.dtype:
     return torch.float32
 
 
-def _install_generate_hook():
-    # Local import: the generation file imports this one for `ReTraceConditioning`.
-    from .generation_retrace import install_generate_hook
-
-    install_generate_hook()
-
-
 __all__ = [
-    "ReTraceConditioning",
     "ReTraceDrafterModel",
     "ReTraceDrafterPreTrainedModel",
     "ReTraceTrajectoryEncoder",

@@ -1,6 +1,7 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch, transformers and `.modeling_retrace` only, so `trust_remote_code=True` loads it.
+# Hub file: imports torch and transformers only, so `trust_remote_code=True` loads it. `modeling_retrace` imports
+# this file (for `ReTraceConditioning`), so loading the drafter, from the package or as remote code, installs the hook.
 """ReTrace speculative decoding on top of transformers' in-tree DFlash candidate generator.
 
 Round r drafts the block `[a, d1 .. d_{B-1}]` at positions `p .. p+B-1`; the target accepts `d1..dn` and commits
@@ -12,6 +13,7 @@ with the target features of verification position `j-1`, the one that scored dra
 import functools
 import importlib
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -21,10 +23,25 @@ from torch import nn
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 from transformers.generation.utils import GenerationMixin
 
-from .modeling_retrace import ReTraceConditioning
-
 
 SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max) as (major, minor)
+
+
+@dataclass
+class ReTraceConditioning:
+    """The previous round's rejected suffix, aligned slot by slot with the next draft block.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(batch_size, num_slots, hidden_size)`):
+            drafter final (post-norm) hidden states placed on the slots they condition; zeros elsewhere.
+        target_features (`torch.Tensor` of shape `(batch_size, num_slots, len(target_layer_ids) * hidden_size)`):
+            target verification features of the position that scored each retained draft; zeros elsewhere.
+        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`): which slots are conditioned.
+    """
+
+    hidden_states: torch.Tensor
+    target_features: torch.Tensor
+    slot_mask: torch.Tensor
 
 
 def build_rejected_trajectory(
@@ -278,24 +295,45 @@ def _generator_class_of(drafter):
     raise TypeError(f"{type(drafter).__name__} wraps no ReTrace drafter (no modeling_retrace class in its hierarchy)")
 
 
-def install_generate_hook() -> None:
+def install_generate_hook() -> bool:
     """Makes `target.generate(..., assistant_model=retrace_drafter)` use [`ReTraceCandidateGenerator`].
 
-    transformers 5.24 has no public hook for an assistant to supply its candidate generator. This wraps, once, the
-    two `GenerationMixin` methods that decide it: `_validate_generation_mode` (so a mismatched drafter gets our
-    error, not the universal-assisted-decoding one) and `_get_candidate_generator` (the dispatch). Idempotent across
-    the package and remote-code copies (the marker lives on the wrapper); every other assistant falls through.
+    transformers 5.24 has no public hook for an assistant to supply its candidate generator. This wraps the two
+    `GenerationMixin` methods that decide it: `_validate_generation_mode` (so a mismatched drafter gets our error,
+    not the universal-assisted-decoding one) and `_get_candidate_generator` (the dispatch); every other assistant
+    falls through. Called when this file is imported (by the package or as remote code). Each wrapper is installed
+    at most once across the package and remote-code copies (the marker lives on the wrapper), so calling this again
+    changes nothing.
+
+    On a transformers version outside `SUPPORTED_TRANSFORMERS` (the private methods may have changed) it wraps
+    nothing and warns: the drafter still loads, and `speculation_type="dflash"` runs it through transformers' own
+    DFlash path (plain DFlash drafts, lossless, no ReTrace conditioning).
+
+    Returns:
+        `bool`: whether the hook is installed.
     """
-    if getattr(GenerationMixin._get_candidate_generator, "_retrace_hook", False):
-        return
     installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
     if not SUPPORTED_TRANSFORMERS[0] <= installed < SUPPORTED_TRANSFORMERS[1]:
-        raise ImportError(
-            f"hf_retrace's generate hook supports transformers >=5.24,<6; found {transformers.__version__}. "
-            "Install a supported version (`pip install 'transformers>=5.24,<6'`)."
+        warnings.warn(
+            f"hf_retrace's generate hook supports transformers >=5.24,<6; found {transformers.__version__}, so it is "
+            "not installed. Pass `speculation_type=\"dflash\"` to run ReTrace drafters through transformers' own "
+            "DFlash path (plain DFlash drafts, no ReTrace conditioning), or install `transformers>=5.24,<6`.",
+            stacklevel=2,
         )
-    GenerationMixin._validate_generation_mode = _wrap_validation(GenerationMixin._validate_generation_mode)
-    GenerationMixin._get_candidate_generator = _wrap_dispatch(GenerationMixin._get_candidate_generator)
+        return False
+    GenerationMixin._validate_generation_mode = _wrap_once(GenerationMixin._validate_generation_mode, _wrap_validation)
+    GenerationMixin._get_candidate_generator = _wrap_once(GenerationMixin._get_candidate_generator, _wrap_dispatch)
+    return True
+
+
+def _wrap_once(method, wrap):
+    """`wrap(method)` marked as ours, or `method` itself when it already is one of our wrappers (from this copy of
+    the file or another: package and remote-code copies share the marker attribute, not the function objects)."""
+    if getattr(method, "_retrace_hook", False):
+        return method
+    wrapped = wrap(method)
+    wrapped._retrace_hook = True
+    return wrapped
 
 
 def _wrap_validation(original):
@@ -319,7 +357,6 @@ def _wrap_dispatch(original):
             assistant_model=assistant_model, **kwargs,
         )  # fmt: skip
 
-    _get_candidate_generator._retrace_hook = True
     return _get_candidate_generator
 
 
@@ -361,6 +398,7 @@ def retrace_generate(
 
 __all__ = [
     "DraftLMHead",
+    "ReTraceConditioning",
     "ReTraceCandidateGenerator",
     "ReTraceGenerationStats",
     "build_rejected_trajectory",
@@ -369,3 +407,8 @@ __all__ = [
     "retrace_generate",
     "validate_drafter_for_target",
 ]
+
+
+# Installed on import, not in the model constructor: `import hf_retrace`, and loading the drafter with
+# `trust_remote_code=True` (its modeling file imports this one), both make `assistant_model=drafter` work.
+install_generate_hook()

@@ -1,44 +1,24 @@
 """Results of `hf-retrace bench`: the lossless check against `ar`, the results rows (tau pooled over cycles, speed,
 conditioning share), and the outputs `results.json`, `results.md`, `tau.png`, `acceptance_histograms.png`.
 
-Definitions (tau, speedup, the lossless check): `hf_retrace.bench` module docstring.
+Definitions (tau, speedup, the lossless check): `hf_retrace.bench.run` module docstring.
 """
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from .bench_stats import render_paired_markdown
+from .methods import REFERENCE, Generation, Method
 from .plots import plot_acceptance_histograms, plot_tau
-
-
-if TYPE_CHECKING:
-    from .bench import Method
+from .stats import render_paired_markdown
 
 
 TAU_NOTE = (
     "tau is pooled over cycles: committed tokens (bonus included) summed over all verification cycles of all "
     "prompts, divided by the number of cycles"
 )
-REFERENCE = "ar"
-
-
-@dataclass
-class Generation:
-    """One method on one prompt."""
-
-    method: str
-    prompt_set: str
-    prompt_index: int
-    token_ids: list[int]
-    seconds: float
-    acceptance_lengths: list[int]
-    target_forwards: int
-    conditioning_seconds: float = 0.0
-    num_conditioned_rounds: int = 0
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -107,7 +87,7 @@ def add_logit_gaps(target, prompt_sets, generations: list[Generation], failures:
 
 
 def summarize(
-    generations: list[Generation], methods: list["Method"], failures: list[LosslessFailure], greedy: bool
+    generations: list[Generation], methods: list[Method], failures: list[LosslessFailure], greedy: bool
 ) -> list[dict]:
     """Rows per method x prompt set, then one `pooled` row per method; `speedup` is over `ar` on the same rows.
     `lossless` is `None` when sampling (not checked)."""
@@ -125,7 +105,7 @@ def summarize(
     return rows
 
 
-def _row(method: "Method", label: str, subset: list[Generation], lossless: bool | None) -> dict:
+def _row(method: Method, label: str, subset: list[Generation], lossless: bool | None) -> dict:
     cycles = [n for g in subset for n in g.acceptance_lengths]
     histogram = [0] * max([method.block_size] + cycles)
     for n in cycles:

@@ -11,7 +11,7 @@ Folder layout (everything a user needs with `transformers` alone, `trust_remote_
     modeling_retrace.py           } Hub files copied by `save_pretrained` (`register_for_auto_class`)
     generation_retrace.py        /
     custom_generate/generate.py  `target.generate(..., custom_generate=<repo>, trust_remote_code=True)` recipe
-    README.md                    model card rendered from `hf_retrace/templates/model_card.md`
+    README.md                    model card rendered from `hf_retrace/hub/templates/model_card.md`
     eval_results.json            the evaluation JSON behind the card's table (only when one was given)
 
 No `generation_config.json`: the drafter never generates on its own; `generate` runs on the target, with its config.
@@ -20,8 +20,8 @@ No `generation_config.json`: the drafter never generates on its own; `generate` 
 so its `DRAFTER_SOURCE` names the drafter: the repo id once published (or when `repo_id=` is given), otherwise the
 absolute path of the folder. `publish` rewrites it (and the card) for the target repo id before uploading.
 
-The card and its evaluation JSON schema live in [`hf_retrace.model_card`], the folder checks in
-[`hf_retrace.hub_validation`]; their entry points listed in this module's `__all__` are re-exported here.
+The card and its evaluation JSON schema live in [`hf_retrace.hub.model_card`], the folder checks in
+[`hf_retrace.hub.validation`]; their entry points listed in this module's `__all__` are re-exported here.
 """
 
 import argparse
@@ -36,8 +36,8 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-from .configuration_retrace import ReTraceDrafterConfig
-from .hub_validation import CUSTOM_GENERATE_FILE, HubFolderError, check_repo_id, validate_folder, weight_shapes
+from ..models.configuration_retrace import ReTraceDrafterConfig
+from .validation import CUSTOM_GENERATE_FILE, HubFolderError, check_repo_id, validate_folder, weight_shapes
 from .model_card import check_card_metadata, eval_table, load_eval_results, render_model_card
 
 
@@ -61,7 +61,7 @@ def save_for_hub(
             (the recipe and the card's snippet then load the drafter from there; `publish` rewrites both).
         base_model (`str`, *optional*): Hub id of the target model, for the card metadata and snippet.
         eval_results_json (`str` or `os.PathLike`, *optional*): evaluation JSON (schema in
-            `hf_retrace.model_card`).
+            `hf_retrace.hub.model_card`).
         license (`str`, defaults to `"apache-2.0"`), datasets (`list[str]`, *optional*): card metadata.
     Returns:
         `Path`: the folder.
@@ -108,7 +108,7 @@ def render_hub_files(folder, repo_id: str, card_meta: dict, eval_results_json=No
 
 def render_custom_generate(drafter_source: str) -> str:
     """Source of `custom_generate/generate.py` whose `DRAFTER_SOURCE` is `drafter_source` (repo id or folder)."""
-    template = resources.files("hf_retrace").joinpath("custom_generate_template.py").read_text(encoding="utf-8")
+    template = resources.files("hf_retrace.hub").joinpath("custom_generate_template.py").read_text(encoding="utf-8")
     source, count = _SOURCE_LINE.subn(lambda _: f"DRAFTER_SOURCE = {json.dumps(str(drafter_source))}", template)
     if count != 1:
         raise RuntimeError("custom_generate_template.py must contain exactly one `DRAFTER_SOURCE = None` line")
@@ -213,11 +213,11 @@ def format_plan(plan: list[tuple[str, int]], repo_id: str, private: bool) -> str
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-retrace publish", description=publish.__doc__.splitlines()[0])
-    parser.add_argument("folder", help="drafter folder written by hf_retrace.hub.save_for_hub")
+    parser.add_argument("folder", help="drafter folder written by hf_retrace.hub.publish.save_for_hub")
     parser.add_argument("--repo-id", required=True, help="target Hub repo, ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the files to upload; upload nothing")
-    parser.add_argument("--eval-json", help="evaluation JSON for the card's table (schema: hf_retrace.model_card)")
+    parser.add_argument("--eval-json", help="evaluation JSON for the card's table (schema: hf_retrace.hub.model_card)")
     parser.add_argument("--base-model", help="Hub id of the target model (defaults to the folder card's)")
     parser.add_argument("--license", help="card license (defaults to the folder card's)")
     parser.add_argument("--dataset", action="append", dest="datasets", help="training dataset id (repeatable)")

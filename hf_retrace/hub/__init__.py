@@ -1,0 +1,2 @@
+"""Sharing drafters on the Hugging Face Hub: `hf-retrace publish` and `save_for_hub` (`publish`), folder checks
+(`validation`), the model card (`model_card`, `templates/`), and the `custom_generate` recipe template."""
