@@ -98,7 +98,7 @@ fixes() {  # optional (not in the default run): session 1's attempted fix, ReTra
     --output-dir results/smollm2-fixes
 }
 
-ship() {  # publishable folders (card, config, safetensors, code files) under model_cards/
+ship() {  # publishable folders under model_cards/ (card, config, safetensors committed; code files git-ignored)
   RUNS="$RUNS" PHASE1="$PHASE1" $PY - <<'PY'
 import os
 import shutil

@@ -146,9 +146,11 @@ def patch_hub(monkeypatch, fake: FakeHub) -> None:
 
 @pytest.fixture(scope="module")
 def published(folder, target, tmp_path_factory):
-    """`hf-retrace publish` of a copy of `folder` to REPO_ID through the fake Hub; the target is put there too."""
+    """`hf-retrace publish` of a copy of `folder` to REPO_ID through the fake Hub; the target is put there too. The
+    copy holds only what model_cards/ keeps (no code files, no recipe): publish writes them."""
     root = tmp_path_factory.mktemp("published")
     copy = shutil.copytree(folder, root / "folder")
+    strip_code(copy)
     fake = FakeHub(root / "hub_cache")
     with pytest.MonkeyPatch.context() as mp:
         patch_hub(mp, fake)
@@ -158,6 +160,13 @@ def published(folder, target, tmp_path_factory):
     make_tokenizer().save_pretrained(target_dir)
     put_in_cache(fake.cache, TARGET_ID, {p.name: p.read_bytes() for p in target_dir.iterdir() if p.is_file()})
     return copy, fake
+
+
+def strip_code(folder: Path) -> None:
+    """Leaves what model_cards/ keeps: card, config, weights, eval JSON."""
+    for name in hub_validation.CODE_FILES:
+        (folder / name).unlink()
+    shutil.rmtree(folder / "custom_generate")
 
 
 def greedy(model, prompt, **kwargs):
@@ -179,6 +188,12 @@ prompt = torch.tensor(json.loads(sys.argv[1]))
 target = AutoModelForCausalLM.from_pretrained("org/tiny-target").eval()
 greedy = lambda **kw: target.generate(prompt, max_new_tokens=24, do_sample=False, **kw)[0].tolist()
 out = {"hf_retrace_error": hf_retrace_error, "greedy": greedy()}
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.generation.utils import GenerationMixin
+is_hooked = lambda: getattr(GenerationMixin._get_candidate_generator, "_retrace_hook", False)
+out["hooked_before_import"] = is_hooked()
+get_class_from_dynamic_module("modeling_retrace.ReTraceDrafterModel", sys.argv[2])  # import only, no model built
+out["hooked_on_import"] = is_hooked()
 for name, source in (("folder", sys.argv[2]), ("repo", "org/tiny-retrace")):
     drafter = AutoModel.from_pretrained(source, trust_remote_code=True)
     out[name + "_module"] = type(drafter).__module__
@@ -207,6 +222,7 @@ def test_loads_and_generates_losslessly_without_hf_retrace(folder, published, dr
     assert out["hf_retrace_error"] is not None and "hf_retrace" in out["hf_retrace_error"]
     expected = greedy(target, prompt)
     assert out["greedy"] == expected
+    assert not out["hooked_before_import"] and out["hooked_on_import"]  # the remote-code import installs the hook
     greedy(target, prompt, assistant_model=drafter)
     for name in ("folder", "repo"):
         assert out[name + "_module"].startswith("transformers_modules.")
@@ -343,6 +359,9 @@ def test_publish_uploads_the_planned_files(published):
     assert fake.create_calls == [(REPO_ID, {"private": True, "exist_ok": True})]
     (upload,) = [u for u in fake.uploads if u["repo_id"] == REPO_ID]
     assert sorted(upload["files"]) == [path for path, _ in hub.upload_plan(copy)]
+    package = Path(hub.__file__).resolve().parents[1] / "models"
+    for name in hub_validation.CODE_FILES:  # the folder had none: publish wrote the package's Hub files
+        assert upload["files"][name] == (package / name).read_bytes() == (copy / name).read_bytes()
     recipe = upload["files"]["custom_generate/generate.py"].decode()
     assert f'DRAFTER_SOURCE = "{REPO_ID}"' in recipe and str(copy) not in recipe
     card = ModelCard(upload["files"]["README.md"].decode())
@@ -383,13 +402,10 @@ def _shape_mismatch(folder: Path):
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
 
 
-def _imports_package(folder: Path):
-    path = folder / "generation_retrace.py"
-    path.write_text(path.read_text() + "\n\ndef _helper():\n    from hf_retrace.hub.publish import save_for_hub\n")
-
-
-def _drops_code_file(folder: Path):
-    (folder / "custom_generate" / "generate.py").unlink()
+def _drops_auto_map(folder: Path):
+    config = json.loads((folder / "config.json").read_text())
+    del config["auto_map"]["AutoModel"]
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize(
@@ -398,8 +414,7 @@ def _drops_code_file(folder: Path):
         (_drop_weights, "model.safetensors is missing"),
         (_truncate_weights, "model.safetensors cannot be loaded"),
         (_shape_mismatch, "gate_proj.weight has shape [64, 32] but config.json implies [48, 32]"),
-        (_imports_package, "generation_retrace.py imports hf_retrace (line"),
-        (_drops_code_file, "custom_generate/generate.py is missing"),
+        (_drops_auto_map, "config.json auto_map has no AutoModel entry"),
     ],
 )
 def test_publish_refuses_broken_folders(breaks, message, folder, tmp_path, capsys, monkeypatch):
@@ -412,6 +427,19 @@ def test_publish_refuses_broken_folders(breaks, message, folder, tmp_path, capsy
     assert message in err and "cannot be published" in err, err
     assert "save_for_hub" in err or "Hub files may import only" in err  # says how to fix it
     assert fake.create_calls == [] and fake.uploads == []
+
+
+def test_validate_folder_refuses_code_that_imports_hf_retrace_or_is_missing(folder, tmp_path):
+    """What a saved folder is checked for on its own (publish replaces the code files with the package's)."""
+    broken = shutil.copytree(folder, tmp_path / "broken")
+    path = broken / "generation_retrace.py"
+    path.write_text(path.read_text() + "\n\ndef _helper():\n    from hf_retrace.hub import publish\n")
+    (broken / "custom_generate" / "generate.py").unlink()
+    with pytest.raises(hub_validation.HubFolderError) as err:
+        hub_validation.validate_folder(broken)
+    assert "generation_retrace.py imports hf_retrace (line" in str(err.value)
+    assert "custom_generate/generate.py is missing" in str(err.value)
+    hub_validation.validate_folder(broken, hub.code_files(REPO_ID))  # what publish would write instead is fine
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,19 @@ Folder layout (everything a user needs with `transformers` alone, `trust_remote_
     config.json                  drafter config with `auto_map` (AutoConfig, AutoModel)
     model.safetensors            weights (or sharded `model-*.safetensors` + `model.safetensors.index.json`)
     configuration_retrace.py     \
-    modeling_retrace.py           } Hub files copied by `save_pretrained` (`register_for_auto_class`)
-    generation_retrace.py        /
+    modeling_retrace.py           } the Hub files of `hf_retrace.models`, written by `save_pretrained`
+    generation_retrace.py        /  (`register_for_auto_class`) and again by `publish`
     custom_generate/generate.py  `target.generate(..., custom_generate=<repo>, trust_remote_code=True)` recipe
     README.md                    model card rendered from `hf_retrace/hub/templates/model_card.md`
     eval_results.json            the evaluation JSON behind the card's table (only when one was given)
 
 No `generation_config.json`: the drafter never generates on its own; `generate` runs on the target, with its config.
+
+A drafter folder kept in a source tree (`model_cards/*`) needs only `config.json` (with `auto_map`), the weights,
+the card and its `eval_results.json`: `publish` writes the code files of this package and the recipe into it before
+the upload, so the repo always carries the code of the hf_retrace that published it. With hf_retrace installed
+such a folder loads with `ReTraceDrafterModel.from_pretrained(folder)` or `AutoModel.from_pretrained(folder)`
+(`import hf_retrace` registers the classes, and transformers prefers registered code to `auto_map`).
 
 `custom_generate/generate.py` cannot learn where it was loaded from (transformers copies it into its modules cache),
 so its `DRAFTER_SOURCE` names the drafter: the repo id once published (or when `repo_id=` is given), otherwise the
@@ -37,7 +43,14 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from ..models.configuration_retrace import ReTraceDrafterConfig
-from .validation import CUSTOM_GENERATE_FILE, HubFolderError, check_repo_id, validate_folder, weight_shapes
+from .validation import (
+    CODE_FILES,
+    CUSTOM_GENERATE_FILE,
+    HubFolderError,
+    check_repo_id,
+    validate_folder,
+    weight_shapes,
+)
 from .model_card import check_card_metadata, eval_table, load_eval_results, render_model_card
 
 
@@ -94,7 +107,7 @@ def render_hub_files(folder, repo_id: str, card_meta: dict, eval_results_json=No
     The card's evaluation table comes from `eval_results_json`, else from the folder's `eval_results.json`.
     """
     folder = Path(folder)
-    files = {CUSTOM_GENERATE_FILE: render_custom_generate(repo_id).encode()}
+    files = code_files(repo_id)
     eval_path = Path(eval_results_json) if eval_results_json is not None else folder / EVAL_FILE
     eval_data = load_eval_results(eval_path) if eval_results_json is not None or eval_path.is_file() else None
     if eval_data is not None:
@@ -103,6 +116,15 @@ def render_hub_files(folder, repo_id: str, card_meta: dict, eval_results_json=No
     config, num_parameters = ReTraceDrafterConfig.from_pretrained(folder), _num_parameters(folder)
     card = render_model_card(config, repo_id=repo_id, eval_data=eval_data, num_parameters=num_parameters, **meta)
     files["README.md"] = str(card).encode()
+    return files
+
+
+def code_files(drafter_source: str) -> dict[str, bytes]:
+    """The code a Hub repo of a drafter needs, as `{relative path: content}`: the Hub files of `hf_retrace.models`
+    (what `trust_remote_code=True` loads) and `custom_generate/generate.py` for `drafter_source`."""
+    models = resources.files("hf_retrace.models")
+    files = {name: models.joinpath(name).read_bytes() for name in CODE_FILES}
+    files[CUSTOM_GENERATE_FILE] = render_custom_generate(drafter_source).encode()
     return files
 
 
@@ -150,17 +172,18 @@ def publish(
     folder, repo_id: str, *, private=False, dry_run=False, eval_results_json=None, base_model=None, license=None,
     datasets=None, token=None, commit_message=None, revision=None, create_pr=False,
 ):  # fmt: skip
-    """Validates `folder`, renders its card and recipe for `repo_id`, and uploads it (unless `dry_run`).
+    """Validates `folder`, renders its code files, card and recipe for `repo_id`, and uploads it (unless `dry_run`).
 
-    The upload is `HfApi.create_repo(exist_ok=True)` then one `HfApi.upload_folder`; before it the rendered card,
-    recipe and eval JSON are written into `folder`, so the folder mirrors the repo. A dry run writes nothing.
+    The upload is `HfApi.create_repo(exist_ok=True)` then one `HfApi.upload_folder`; before it this package's Hub
+    files, the rendered card, recipe and eval JSON are written into `folder`, so the folder mirrors the repo. A dry
+    run writes nothing.
     Raises [`HubFolderError`] (a `ValueError`) with the fix when the folder or its card cannot be published.
     Returns:
         `(plan, commit_info)`: the [`upload_plan`] and `upload_folder`'s `CommitInfo` (`None` on a dry run).
     """
     check_repo_id(repo_id)
     folder = Path(folder)
-    validate_folder(folder)
+    validate_folder(folder, code_files(repo_id))
     card_meta = {"base_model": base_model, "license": license, "datasets": datasets}
     rendered = render_hub_files(folder, repo_id, card_meta, eval_results_json)
     card = ModelCard(rendered["README.md"].decode())
@@ -246,6 +269,7 @@ def publish_main(argv: list[str]) -> int:
 __all__ = [
     "HubFolderError",
     "check_card_metadata",
+    "code_files",
     "eval_table",
     "load_eval_results",
     "publish",

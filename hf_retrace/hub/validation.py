@@ -25,17 +25,24 @@ class HubFolderError(ValueError):
     """A drafter folder that cannot be published; the message lists every problem with its fix."""
 
 
-def validate_folder(folder) -> None:
+def validate_folder(folder, rendered: dict[str, bytes] | None = None) -> None:
     """Raises [`HubFolderError`] listing every problem (and its fix) that keeps `folder` from being published:
     missing/unloadable weights, config vs weight-shape mismatches, missing code files or `auto_map`, code files
-    that import `hf_retrace` (Hub users do not have it)."""
-    folder = Path(folder)
+    that import `hf_retrace` (Hub users do not have it).
+
+    Args:
+        folder (`str` or `os.PathLike`): the drafter folder.
+        rendered (`dict[str, bytes]`, *optional*): files `{relative path: content}` that will be written into the
+            folder before the upload (`hf-retrace publish` writes the code files and the recipe); they count as
+            present and are checked instead of the folder's copies.
+    """
+    folder, rendered = Path(folder), rendered or {}
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise HubFolderError(f"{folder}/config.json is missing or unreadable ({err}); write the folder with "
                              "`save_for_hub(drafter, folder)`.") from err  # fmt: skip
-    problems = _check_code_files(folder, config) + _check_package_imports(folder)
+    problems = _check_code_files(folder, config, rendered) + _check_package_imports(folder, rendered)
     try:
         shapes = weight_shapes(folder)
     except HubFolderError as err:
@@ -89,25 +96,29 @@ def _check_shapes(folder: Path, shapes: dict) -> list[str]:
     return problems
 
 
-def _check_code_files(folder: Path, config: dict) -> list[str]:
-    problems = [f"{name} is missing" for name in (*CODE_FILES, CUSTOM_GENERATE_FILE) if not (folder / name).is_file()]
+def _check_code_files(folder: Path, config: dict, rendered: dict[str, bytes]) -> list[str]:
+    def present(name: str) -> bool:
+        return name in rendered or (folder / name).is_file()
+
+    problems = [f"{name} is missing" for name in (*CODE_FILES, CUSTOM_GENERATE_FILE) if not present(name)]
     auto_map = config.get("auto_map") or {}
     for auto_class in ("AutoConfig", "AutoModel"):
         if auto_class not in auto_map:
             problems.append(f"config.json auto_map has no {auto_class} entry")
-        elif not (folder / (auto_map[auto_class].split(".")[0] + ".py")).is_file():
+        elif not present(auto_map[auto_class].split(".")[0] + ".py"):
             problems.append(f"auto_map {auto_class} points to {auto_map[auto_class]!r}, whose file is missing")
     if problems:
         problems.append("re-save with `save_for_hub(drafter, folder)`, which copies the code files and auto_map.")
     return problems
 
 
-def _check_package_imports(folder: Path) -> list[str]:
+def _check_package_imports(folder: Path, rendered: dict[str, bytes]) -> list[str]:
+    sources = {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*.py")}
+    sources.update({rel: content for rel, content in rendered.items() if rel.endswith(".py")})
     problems = []
-    for path in sorted(folder.rglob("*.py")):
-        rel = path.relative_to(folder).as_posix()
+    for rel in sorted(sources):
         try:
-            lines = imports_of_package(path.read_text(encoding="utf-8"), "hf_retrace")
+            lines = imports_of_package(sources[rel].decode("utf-8"), "hf_retrace")
         except SyntaxError as err:
             problems.append(f"{rel} is not valid Python ({err})")
             continue
