@@ -1,10 +1,14 @@
-"""`hf-retrace` console script: `hf-retrace {bench,analyze,publish} ...`; each subcommand owns its own parser."""
+"""`hf-retrace` console script: `hf-retrace {train,generate-data,build-pool,bench,analyze,publish} ...`; each
+subcommand owns its own parser and is imported only when it runs (training needs the `train` extra)."""
 
 import importlib
 import sys
 
 
 _SUBCOMMANDS = {
+    "train": ("hf_retrace.scripts.train", "cli_main", "train a DFlash/ReTrace drafter from a recipe (--config)"),
+    "generate-data": ("hf_retrace.scripts.generate_data", "cli_main", "regenerate training responses with the target"),
+    "build-pool": ("hf_retrace.scripts.build_pool", "cli_main", "build the token pool and target-feature cache"),
     "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
     "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
     "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
@@ -14,7 +18,7 @@ _SUBCOMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in _SUBCOMMANDS:
-        lines = [f"  {name:<8} {help_}" for name, (_, _, help_) in _SUBCOMMANDS.items()]
+        lines = [f"  {name:<14} {help_}" for name, (_, _, help_) in _SUBCOMMANDS.items()]
         usage = "usage: hf-retrace {" + ",".join(_SUBCOMMANDS) + "} ...\n\n" + "\n".join(lines)
         if argv[:1] in (["-h"], ["--help"]):
             print(usage)

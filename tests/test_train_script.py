@@ -1,6 +1,7 @@
 """training/train.py: recipes parse, the tiny recipe trains and saves a loadable drafter, two CPU ranks (DDP over gloo)
 see different data and end with the same weights, and unknown recipe fields fail before any compute."""
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -46,6 +47,44 @@ def test_unknown_recipe_field_fails_before_compute(tmp_path):
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ValueError, match="num_anchor"):
         _train_module().make_parser().parse_args_and_config(["--config", str(path)])
+
+
+def _script_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"retrace_{name}_script", ROOT / "training" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["train", "generate_data", "build_pool"])
+def test_training_scripts_are_thin_entry_points(name):
+    """training/*.py only hand over to hf_retrace.scripts (which `hf-retrace` runs too)."""
+    package = importlib.import_module(f"hf_retrace.scripts.{name}")
+    module = _script_module(name)
+    assert module.main is package.main and module.make_parser is package.make_parser
+    assert module.cli_main is package.cli_main
+    code = [line for line in (ROOT / "training" / f"{name}.py").read_text().split('"""')[-1].splitlines()
+            if line.strip() and not line.startswith("#")]  # fmt: skip
+    assert len(code) <= 6, code
+
+
+@pytest.mark.parametrize("command", ["train", "generate-data", "build-pool"])
+def test_cli_has_the_training_commands(command, capsys):
+    from hf_retrace.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: hf-retrace {command}" in capsys.readouterr().out
+
+
+def test_cli_train_runs_a_recipe(tmp_path):
+    from hf_retrace.cli import main as cli_main
+
+    argv = ["train", "--config", str(TINY), "--output_dir", str(tmp_path), "--max_steps", "1", "--save_strategy", "no"]
+    assert cli_main(argv) == 0
+    drafter = ReTraceDrafterModel.from_pretrained(tmp_path)
+    assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 1
 
 
 def test_accelerate_configs():
@@ -146,18 +185,20 @@ def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, 
     calls = []
     trainer = None
     handle = None
-    original = module.ReTraceTrainer.__init__
+    from hf_retrace.trainer.trainer import ReTraceTrainer
+
+    original = ReTraceTrainer.__init__
 
     def init(self, *args, **kwargs):
         nonlocal handle
         original(self, *args, **kwargs)
         handle = self.target.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
 
-    module.ReTraceTrainer.__init__ = init
+    ReTraceTrainer.__init__ = init
     try:
         trainer = module.main(script_args, training_args, model_args)
     finally:
-        module.ReTraceTrainer.__init__ = original
+        ReTraceTrainer.__init__ = original
         if handle is not None:
             handle.remove()
     assert calls == []  # features came from the cache (ReTrace: teacher-forced verification features, also cached)

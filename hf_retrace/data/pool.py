@@ -233,7 +233,7 @@ def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target
     if not meta_path.is_file():
         raise ValueError(
             f"{feature_dir} is not a feature cache (no {FEATURE_META}); build it with "
-            "`python training/build_pool.py` or `python training/build_pool.py --features-only`."
+            "`hf-retrace build-pool` (or `python training/build_pool.py`), with `--features-only` on a fresh machine."
         )
     meta = json.loads(meta_path.read_text())
     if target_name is not None and meta["target"] != target_name:

@@ -1,14 +1,12 @@
-# /// script
-# dependencies = ["hf-retrace[train,eval,assets]"]
-# ///
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
 """Builds the drafter's training pool with a batch kept full: token shards (small, committable) and the target's
 features (big, rebuildable), resumably. `hf_retrace.data.pool` documents the formats.
 
 ```bash
 # the SmolLM2 pool (~1M response tokens, fp32 greedy); rerun the same command to resume
-python training/build_pool.py --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features
+hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features
 # on a fresh machine with the committed token shards: rebuild only the features
-python training/build_pool.py --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only
+hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only
 ```
 
 Prompt seeds: reasoning-gym sets use seeds `--seed ..` (below `EVAL_SEED_OFFSET`); `stdlib` and `open_ended` use their
@@ -20,17 +18,17 @@ import logging
 
 import torch
 
-from generate_data import load_target, parse_mix, select_prompts
-from hf_retrace.data.responses import _prompt_ids
-from hf_retrace.data.pool import build_pool, cache_pool_features, pool_prompt_stream
+from ..data.pool import build_pool, cache_pool_features, pool_prompt_stream
+from ..data.responses import _prompt_ids
+from .generate_data import load_target, parse_mix, select_prompts
 
 
 DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
 FINITE_SETS = ("stdlib", "open_ended")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a path")
     parser.add_argument("--mix", default=DEFAULT_MIX, help="comma-separated name:num_prompts")
     parser.add_argument("--pool-dir", default="data/smollm2-pool", help="token shards (commit these)")
@@ -72,6 +70,13 @@ def main(args: argparse.Namespace) -> None:
     logging.getLogger("build_pool").warning(f"done: {total} response tokens in {args.pool_dir}")
 
 
-if __name__ == "__main__":
+def cli_main(argv: list[str] | None = None) -> int:
+    """`hf-retrace build-pool [--pool-dir ...] [--feature-dir ...] [--features-only]` (also what
+    `training/build_pool.py` runs)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    main(make_parser().parse_args())
+    main(make_parser(prog="hf-retrace build-pool").parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main()

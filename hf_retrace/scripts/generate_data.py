@@ -1,12 +1,10 @@
-# /// script
-# dependencies = ["hf-retrace[train,eval,assets]"]
-# ///
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
 """Regenerates the drafter's training data: the target's own responses to a mix of prompt sets.
 
-Usage:
+Usage (`python training/generate_data.py` runs the same):
 
 ```bash
-python training/generate_data.py --target default \
+hf-retrace generate-data --target default \
     --mix gsm_symbolic:600,codeio:300,stdlib:300,open_ended:300 \
     --max-new-tokens 256 --batch-size 32 --output data_cache/smollm2
 ```
@@ -32,15 +30,15 @@ from pathlib import Path
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from hf_retrace.data.responses import _prompt_ids, generate_responses
-from hf_retrace.data.prompts import EVAL_SEED_OFFSET, load_prompts
+from ..data.responses import _prompt_ids, generate_responses
+from ..data.prompts import EVAL_SEED_OFFSET, load_prompts
 
 
 logger = logging.getLogger("generate_data")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a model path"
     )
@@ -80,7 +78,7 @@ def parse_mix(mix: str) -> list[tuple[str, int]]:
 
 def load_target(target: str, dtype: torch.dtype):
     if target == "default":
-        from hf_retrace.data.assets import load_default_target
+        from ..data.assets import load_default_target
 
         return load_default_target(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,6 +152,13 @@ def main(args: argparse.Namespace) -> None:
     logger.info(f"done: {output / 'dataset'}")
 
 
-if __name__ == "__main__":
+def cli_main(argv: list[str] | None = None) -> int:
+    """`hf-retrace generate-data [--target ...] [--mix ...] [--output ...]` (also what `training/generate_data.py`
+    runs)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    main(make_parser().parse_args())
+    main(make_parser(prog="hf-retrace generate-data").parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main()

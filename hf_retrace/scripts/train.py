@@ -1,44 +1,9 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""`hf-retrace train` and `training/train.py`: train a DFlash or ReTrace drafter against a frozen target (DESIGN §3).
 
-# /// script
-# requires-python = ">=3.10"
-# dependencies = [
-#     "hf-retrace[train,assets]",
-#     "trl>=1.16",
-#     "peft",
-#     "accelerate",
-# ]
-# ///
-
-"""
-Train a DFlash or ReTrace drafter against a frozen target (DESIGN §3).
-
-# Tiny smoke run (seeded tiny random Qwen3 target, synthetic data; seconds on CPU)
-```bash
-python training/train.py --config training/recipes/tiny.yaml
-accelerate launch --config_file training/accelerate_configs/cpu_2proc.yaml training/train.py \
-    --config training/recipes/tiny.yaml
-```
-
-# SmolLM2-135M: DFlash from scratch, then ReTrace from that drafter (2 CPU cores)
-```bash
-python training/train.py --config training/recipes/smollm2-135m-dflash.yaml
-python training/train.py --config training/recipes/smollm2-135m-retrace.yaml
-```
-
-# Paper setting (Qwen3-4B target, z-lab DFlash-b16 drafter init; GPUs)
-```bash
-accelerate launch --config_file training/accelerate_configs/zero2.yaml training/train.py \
-    --config training/recipes/qwen3-4b-retrace.yaml
-```
-
-# LoRA on the drafter backbone (ReTrace modules train fully)
-```bash
-python training/train.py --config training/recipes/tiny.yaml --use_peft --lora_r 8 \
-    --drafter_name_or_path <dflash drafter folder>
-```
-
-Any recipe field may be overridden on the command line (`--max_steps 10`). Unknown recipe fields are an error.
+[`make_parser`] reads the recipe (`--config`) and command-line overrides into TRL's three argument groups
+(`ReTraceScriptArguments`, [`ReTraceConfig`], TRL's `ModelConfig`); [`main`] loads target and drafter, the dataset,
+trains and saves. Usage and recipes: `training/train.py`.
 """
 
 import argparse
@@ -47,9 +12,9 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from hf_retrace.trainer.trainer import ReTraceTrainer
-from hf_retrace.trainer.config import ReTraceConfig
-from hf_retrace.trainer.setup import init_drafter, load_target, synthetic_dataset
+from ..trainer.config import ReTraceConfig
+from ..trainer.setup import init_drafter, load_target, synthetic_dataset
+from ..trainer.trainer import ReTraceTrainer
 
 
 SYNTHETIC = "synthetic"
@@ -72,7 +37,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     if name is None:
         raise ValueError("Set `dataset_name` (e.g. `synthetic`, a saved dataset folder or a .jsonl file).")
     if training_args.feature_source == "cached":
-        from hf_retrace.data.pool import load_feature_dataset
+        from ..data.pool import load_feature_dataset
 
         return load_feature_dataset(name, target_name=training_args.target_name_or_path).with_format("numpy")
     if name == SYNTHETIC:
@@ -94,7 +59,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
         raise ValueError(
             f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer."
         )
-    from hf_retrace.data.responses import tokenize_conversations
+    from ..data.responses import tokenize_conversations
 
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
@@ -115,7 +80,7 @@ def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
     """Gives a full-vocabulary drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
     [`most_frequent_tokens`])."""
-    from hf_retrace.trainer.draft_vocab import coverage, most_frequent_tokens
+    from ..trainer.draft_vocab import coverage, most_frequent_tokens
 
     if drafter.draft_vocab_ids is not None:
         if drafter.config.draft_vocab_size == size:
@@ -137,7 +102,7 @@ def feature_collator(dataset, drafter, training_args: ReTraceConfig):
         return None
     import json
 
-    from hf_retrace.data.responses import DataCollatorWithFeatures
+    from ..data.responses import DataCollatorWithFeatures
 
     meta = json.loads(dataset.info.description)
     return DataCollatorWithFeatures(
@@ -179,13 +144,20 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
+    """`TrlParser` of (`ReTraceScriptArguments`, [`ReTraceConfig`], `ModelConfig`), or a `train` subparser of a
+    `TrlParser`-class `subparsers` (TRL's CLI pattern)."""
     dataclass_types = (ReTraceScriptArguments, ReTraceConfig, ModelConfig)
     if subparsers is not None:
         return subparsers.add_parser("train", help="Train a DFlash/ReTrace drafter", dataclass_types=dataclass_types)
     return TrlParser(dataclass_types, prog=prog)
 
 
-if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args, model_args = parser.parse_args_and_config()
+def cli_main(argv: list[str] | None = None) -> int:
+    """`hf-retrace train --config RECIPE [--field value ...]` (also what `training/train.py` runs)."""
+    script_args, training_args, model_args = make_parser(prog="hf-retrace train").parse_args_and_config(argv)
     main(script_args, training_args, model_args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -130,7 +130,7 @@ class ReTraceConfig(TrainingArguments):
         default=None, metadata={"help": "Slot weight exp(-(k-1)/gamma); unset = (B-2)/2 (7 for B=16)."}
     )
     beta_warmup_steps: int | None = field(
-        default=None, metadata={"help": "Linear warmup of the correction beta 0->1; unset = 10% of training steps."}
+        default=None, metadata={"help": "Linear warmup of the correction beta 0->1; unset = 10%% of training steps."}
     )
     verification_features: str = field(
         default="faithful",
