@@ -1,6 +1,3 @@
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from datasets import Dataset
@@ -190,10 +187,7 @@ def test_collator_pad_to_multiple_and_tokenizer_pad_id():
 
 
 def test_generate_data_cli_parse_mix():
-    path = Path(__file__).parents[1] / "training" / "generate_data.py"
-    spec = importlib.util.spec_from_file_location("generate_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from hf_retrace.scripts import generate_data as module  # `hf-retrace generate-data`, training/generate_data.py
     assert module.parse_mix("gsm_symbolic:600, codeio:3,/tmp/a:b.jsonl:7") == [
         ("gsm_symbolic", 600), ("codeio", 3), ("/tmp/a:b.jsonl", 7)
     ]  # fmt: skip
@@ -205,10 +199,7 @@ def test_generate_data_cli_parse_mix():
 
 def test_generate_data_stops_at_max_responses(smollm2, tmp_path):
     """Chunks alternate between sources; --max-responses stops after the chunk that reaches the count."""
-    path = Path(__file__).parents[1] / "training" / "generate_data.py"
-    spec = importlib.util.spec_from_file_location("generate_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from hf_retrace.scripts import generate_data as module  # `hf-retrace generate-data`, training/generate_data.py
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"prompt": "Say {name}{i}."}}\n' for i in range(3)))
     mix = f"{tmp_path / 'a.jsonl'}:3,{tmp_path / 'b.jsonl'}:3"
