@@ -154,9 +154,13 @@ def test_lora_trains_saves_loads_and_generates_losslessly(dflash_dir, target, da
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert any("lora_" in n for n in trainable) and any("retrace.modules_to_save" in n for n in trainable)
     assert not any(".fc." in n or n.endswith("norm.weight") for n in trainable)  # backbone frozen except LoRA
+    live = {name: value.clone() for name, value in trainer.model.state_dict().items()}
     trainer.save_model(str(tmp_path / "merged"))
+    for name, value in trainer.model.state_dict().items():  # merged in place, then unmerged: the live model is intact
+        torch.testing.assert_close(value, live[name], msg=name)
 
     merged = ReTraceDrafterModel.from_pretrained(tmp_path / "merged").eval()
+    assert set(merged.state_dict()) == set(ReTraceDrafterModel.from_pretrained(dflash_dir).state_dict())
     assert torch.count_nonzero(merged.retrace.value_proj.weight) > 0  # the ReTrace modules trained fully
     adapter = PeftModel.from_pretrained(ReTraceDrafterModel.from_pretrained(dflash_dir), tmp_path / "checkpoint-3")
     for (name, a), (_, b) in zip(adapter.merge_and_unload().state_dict().items(), merged.state_dict().items()):
@@ -225,3 +229,45 @@ def test_evaluate_reports_loss_and_acceptance_deterministically(target, dataset,
     first, second = trainer.evaluate(), trainer.evaluate()
     assert first["eval_loss"] == second["eval_loss"] > 0
     assert {"eval_acceptance", "eval_conditioned_share", "eval_beta"} <= set(first)
+
+
+def test_target_arguments_follow_trl_and_the_old_name_still_works(tmp_path):
+    with pytest.warns(FutureWarning, match="target_name_or_path` is deprecated"):
+        old = ReTraceConfig(str(tmp_path), target_name_or_path="tiny-random-qwen3", use_cpu=True)
+    assert old.target_model_name_or_path == "tiny-random-qwen3" and old.target_name_or_path is None
+    with pytest.raises(ValueError, match="disagree"), pytest.warns(FutureWarning):
+        ReTraceConfig(str(tmp_path), target_name_or_path="a/b", target_model_name_or_path="c/d", use_cpu=True)
+    args = ReTraceConfig(str(tmp_path), target_model_init_kwargs='{"attn_implementation": "eager"}', use_cpu=True)
+    assert args.target_model_init_kwargs == {"attn_implementation": "eager"}  # a JSON string from the command line
+    with pytest.raises(ValueError, match="target_dtype"):
+        ReTraceConfig(str(tmp_path), target_model_init_kwargs={"dtype": "float16"}, use_cpu=True)
+
+
+def test_target_model_init_kwargs_reach_from_pretrained(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_retrace.trainer.setup import load_target
+
+    build_tiny_target().save_pretrained(tmp_path / "target")
+    vocab = {f"w{i}": i for i in range(128)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0"))).save_pretrained(
+        tmp_path / "target"
+    )
+    for implementation in ("eager", "sdpa"):
+        target, tokenizer = load_target(str(tmp_path / "target"), "float32", {"attn_implementation": implementation})
+        assert target.config._attn_implementation == implementation and tokenizer is not None
+    with pytest.raises(ValueError, match="path/Hub targets"):
+        load_target("tiny-random-qwen3", "float32", {"attn_implementation": "eager"})
+
+
+@pytest.mark.parametrize(
+    "step, max_steps, warmup, beta",
+    [(0, 10, 4, 0.0), (1, 10, 4, 0.25), (3, 10, 4, 0.75), (4, 10, 4, 1.0), (9, 10, 4, 1.0), (0, 10, 0, 1.0),
+     (1, 20, None, 0.5), (2, 20, None, 1.0)],  # None: 10% of max_steps
+)  # fmt: skip
+def test_beta_warmup_schedule(step, max_steps, warmup, beta):
+    from hf_retrace.trainer.callbacks import warmed_up_beta
+
+    assert warmed_up_beta(step, max_steps, warmup) == beta

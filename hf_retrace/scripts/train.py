@@ -39,7 +39,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     if training_args.feature_source == "cached":
         from ..data.pool import load_feature_dataset
 
-        return load_feature_dataset(name, target_name=training_args.target_name_or_path).with_format("numpy")
+        return load_feature_dataset(name, target_name=training_args.target_model_name_or_path).with_format("numpy")
     if name == SYNTHETIC:
         return synthetic_dataset(
             target, script_args.synthetic_num_examples, script_args.synthetic_prompt_length,
@@ -57,7 +57,7 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
         return dataset
     if tokenizer is None:
         raise ValueError(
-            f"Dataset {name!r} is not tokenized and target {training_args.target_name_or_path!r} has no tokenizer."
+            f"Dataset {name!r} is not tokenized and target {training_args.target_model_name_or_path!r} has no tokenizer."
         )
     from ..data.responses import tokenize_conversations
 
@@ -128,7 +128,9 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
     """Loads target and drafter, trains, saves the drafter (merged with `--use_peft`) to `output_dir`."""
     if model_args.use_peft and not (training_args.drafter_name_or_path or model_args.model_name_or_path):
         raise ValueError("--use_peft needs a trained drafter to adapt: set drafter_name_or_path.")
-    target, tokenizer = load_target(training_args.target_name_or_path, training_args.target_dtype)
+    target, tokenizer = load_target(
+        training_args.target_model_name_or_path, training_args.target_dtype, training_args.target_model_init_kwargs
+    )
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
     dataset = load_training_dataset(script_args, training_args, target, tokenizer)
     if training_args.drafter_draft_vocab_size is not None:

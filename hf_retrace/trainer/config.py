@@ -1,7 +1,10 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 """`ReTraceConfig`: the training arguments of [`ReTraceTrainer`] (DFlash and ReTrace drafter training)."""
 
+import json
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -28,9 +31,13 @@ class ReTraceConfig(TrainingArguments):
     Parameters:
         > Parameters that control the model
 
-        target_name_or_path (`str`, *optional*, defaults to `"default"`):
-            Frozen target: `"default"` (SmolLM2-135M-Instruct, offline), `"tiny-random-qwen3"` (seeded tiny Qwen3 for
-            tests), or a path/Hub id for `AutoModelForCausalLM`.
+        target_model_name_or_path (`str`, *optional*, defaults to `"default"`):
+            Frozen target (TRL's teacher-style argument): `"default"` (SmolLM2-135M-Instruct, offline),
+            `"tiny-random-qwen3"` (seeded tiny Qwen3 for tests), or a path/Hub id for `AutoModelForCausalLM`.
+        target_model_init_kwargs (`dict[str, Any]` or `str`, *optional*): keyword arguments of the target's
+            `AutoModelForCausalLM.from_pretrained` (a JSON string on the command line), e.g.
+            `{"revision": "main", "attn_implementation": "sdpa"}`. Its dtype is `target_dtype`.
+        target_name_or_path (`str`, *optional*): deprecated alias of `target_model_name_or_path`.
         target_dtype (`str`, *optional*, defaults to `"bfloat16"`): dtype of the target.
         drafter_name_or_path (`str`, *optional*): drafter to start from (ReTrace folder or z-lab DFlash checkpoint).
             Unset: a fresh drafter sized from the target (`drafter_num_layers`, ...).
@@ -88,9 +95,16 @@ class ReTraceConfig(TrainingArguments):
     """
 
     # Parameters that control the model
-    target_name_or_path: str = field(
+    target_model_name_or_path: str = field(
         default="default",
         metadata={"help": "Frozen target: 'default' (SmolLM2-135M-Instruct), 'tiny-random-qwen3', or a path/Hub id."},
+    )
+    target_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "from_pretrained kwargs of the target (dict, or JSON string); its dtype is target_dtype."},
+    )
+    target_name_or_path: str | None = field(
+        default=None, metadata={"help": "Deprecated: use target_model_name_or_path."}
     )
     target_dtype: str = field(default="bfloat16", metadata={"help": f"Target dtype, one of {TARGET_DTYPES}."})
     drafter_name_or_path: str | None = field(
@@ -166,6 +180,7 @@ class ReTraceConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        self._resolve_target_arguments()
         self._check_choices()
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
@@ -191,6 +206,26 @@ class ReTraceConfig(TrainingArguments):
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         super().__post_init__()
+
+    def _resolve_target_arguments(self) -> None:
+        """Maps the deprecated `target_name_or_path` onto `target_model_name_or_path` (with a warning) and reads
+        `target_model_init_kwargs` given as a JSON string."""
+        if self.target_name_or_path is not None:
+            warnings.warn(
+                "`target_name_or_path` is deprecated and will be removed; use `target_model_name_or_path`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            if self.target_model_name_or_path not in ("default", self.target_name_or_path):
+                raise ValueError(
+                    f"target_name_or_path={self.target_name_or_path!r} and target_model_name_or_path="
+                    f"{self.target_model_name_or_path!r} disagree; set only target_model_name_or_path."
+                )
+            self.target_model_name_or_path, self.target_name_or_path = self.target_name_or_path, None
+        if isinstance(self.target_model_init_kwargs, str):
+            self.target_model_init_kwargs = json.loads(self.target_model_init_kwargs)
+        if {"dtype", "torch_dtype"} & set(self.target_model_init_kwargs or {}):
+            raise ValueError("set the target's dtype with target_dtype, not in target_model_init_kwargs")
 
     def _check_choices(self):
         choices = {

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..models.configuration_retrace import ReTraceDrafterConfig
+from ..models.generation_retrace import ReTraceConditioning
 from .draft_vocab import TrainingDraftHead
 from .losses import IGNORE_INDEX, count_accepted, expected_accepted_length, slot_log_likelihoods
 from .masks import build_block_mask, build_verification_mask, to_additive_mask
-from ..models.generation_retrace import ReTraceConditioning
 from .target_features import compute_target_features, embed_tokens
 
 
@@ -140,6 +141,7 @@ def draft_blocks(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, context_features: torch.Tensor,
     anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor, context_mask: torch.Tensor | None,
     conditioning: ReTraceConditioning | None = None, max_blocks_per_forward: int | None = None,
+    config: ReTraceDrafterConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Drafter forwards over the `N` blocks of each sequence, `max_blocks_per_forward` blocks at a time.
 
@@ -150,15 +152,18 @@ def draft_blocks(
     rows through every layer).
 
     Args:
-        drafter (`nn.Module`): the (possibly DDP/PEFT-wrapped) drafter; its config gives `block_size`, `mask_token_id`.
+        drafter (`nn.Module`): the drafter, possibly wrapped (DDP, PEFT).
         context_features (`torch.Tensor` of shape `(batch, T, K * hidden)`): target features of all positions; the
             block mask shows each block only the ones before its anchor.
         conditioning ([`ReTraceConditioning`] with `N*B` slots, *optional*): round-2 retained suffixes.
         max_blocks_per_forward (`int`, *optional*): blocks per drafter forward; all `N` at once when unset.
+        config ([`ReTraceDrafterConfig`], *optional*): the drafter's config (`block_size`, `mask_token_id`,
+            `target_layer_ids`); `drafter.config` when unset. A wrapped drafter needs it: the trainer passes
+            `accelerator.unwrap_model(model).config` (every step function below takes it too).
     Returns:
         `torch.Tensor` of shape `(batch, N, B, hidden)`: post-norm drafter states.
     """
-    config = _unwrap(drafter).config
+    config = drafter.config if config is None else config
     batch, seq_len = input_ids.shape
     block_size, num_blocks = config.block_size, anchor_positions.shape[1]
     context_positions = token_positions(context_mask, input_ids.shape).to(input_ids.device)  # [b, T]
@@ -281,13 +286,6 @@ def token_positions(attention_mask: torch.Tensor | None, shape: tuple[int, int])
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The drafter inside DDP (`.module`) and PEFT (`.get_base_model()`) wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @dataclass
 class TrainingStepOutput:
     """Loss of one step and its scalar metrics (plain floats, means over the step's valid blocks)."""
@@ -300,6 +298,7 @@ def dflash_training_step(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
     loss_mask: torch.Tensor, *, num_anchors: int, loss: LossSettings, generator: torch.Generator | None = None,
     features: torch.Tensor | None = None, max_blocks_per_forward: int | None = None,
+    config: ReTraceDrafterConfig | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
     """The DFlash objective: drafter forwards over `N` sampled blocks per sequence, then the block loss.
 
@@ -309,15 +308,16 @@ def dflash_training_step(
         features (`torch.Tensor` of shape `(batch, T, K * hidden)`, *optional*): cached target features of the
             drafter's `target_layer_ids`; computed by the target here when unset (online mode).
     """
-    config = _unwrap(drafter).config
+    config = drafter.config if config is None else config
     if features is None:
         positions = token_positions(attention_mask, input_ids.shape)
         features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask, positions)
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
     labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size)
     hidden = draft_blocks(
-        drafter, target, input_ids, features, anchors, valid, attention_mask, max_blocks_per_forward=max_blocks_per_forward
-    )
+        drafter, target, input_ids, features, anchors, valid, attention_mask,
+        max_blocks_per_forward=max_blocks_per_forward, config=config,
+    )  # fmt: skip
     value, drafts, extra = block_loss(hidden, labels, loss)
     accepted = count_accepted(drafts[..., 1:], labels[..., 1:])
     metrics = {"loss": value.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
@@ -359,6 +359,7 @@ def simulate_retrace_rounds(
     loss_mask: torch.Tensor, anchor_positions: torch.LongTensor, block_valid: torch.BoolTensor,
     verification_features: str = "faithful", draft_head: TrainingDraftHead | None = None,
     features: torch.Tensor | None = None, max_blocks_per_forward: int | None = None,
+    config: ReTraceDrafterConfig | None = None,
 ) -> SimulatedRounds:  # fmt: skip
     """Round 1 (no grad) at the given anchors, then round 2 (with grad) conditioned on round 1's rejected suffix.
 
@@ -371,7 +372,7 @@ def simulate_retrace_rounds(
         raise ValueError(
             f"verification_features must be one of {VERIFICATION_FEATURES}, got {verification_features!r}"
         )
-    config = _unwrap(drafter).config
+    config = drafter.config if config is None else config
     block_size, layer_ids = config.block_size, config.target_layer_ids
     faithful = verification_features == "faithful"
     cache = DynamicCache(config=target.config) if faithful else None
@@ -382,7 +383,7 @@ def simulate_retrace_rounds(
         )
     if draft_head is None:
         draft_head = TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None)
-    chunk = dict(max_blocks_per_forward=max_blocks_per_forward)
+    chunk = dict(max_blocks_per_forward=max_blocks_per_forward, config=config)
     labels = block_labels(input_ids, loss_mask, anchor_positions, block_valid, block_size)
     with torch.no_grad():  # round 1: "training detaches cached representations across rounds" (paper Sec. 3)
         first = draft_blocks(
@@ -412,7 +413,7 @@ def retrace_training_step(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
     loss_mask: torch.Tensor, *, num_anchors: int, loss: LossSettings, verification_features: str = "faithful",
     generator: torch.Generator | None = None, features: torch.Tensor | None = None,
-    max_blocks_per_forward: int | None = None,
+    max_blocks_per_forward: int | None = None, config: ReTraceDrafterConfig | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
     """The ReTrace objective: [`simulate_retrace_rounds`] at sampled anchors, DFlash loss on round 2 (module
     docstring, DESIGN §3). Round-2 blocks with `L <= 0` train as plain DFlash blocks at `p'`.
@@ -424,7 +425,7 @@ def retrace_training_step(
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
     rounds = simulate_retrace_rounds(
         drafter, target, input_ids, attention_mask, loss_mask, anchors, valid, verification_features,
-        draft_head=loss.head, features=features, max_blocks_per_forward=max_blocks_per_forward,
+        draft_head=loss.head, features=features, max_blocks_per_forward=max_blocks_per_forward, config=config,
     )  # fmt: skip
     value, drafts, extra = block_loss(rounds.hidden_states, rounds.labels, loss)
     retained = rounds.num_retained

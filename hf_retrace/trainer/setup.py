@@ -23,17 +23,21 @@ def build_tiny_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(Qwen3Config(**{**TINY_TARGET_CONFIG, **overrides})).eval()
 
 
-def load_target(name_or_path: str, dtype: str = "bfloat16"):
+def load_target(name_or_path: str, dtype: str = "bfloat16", init_kwargs: dict | None = None):
     """Loads the frozen target and its tokenizer.
 
     Args:
         name_or_path (`str`): `"default"` ([`hf_retrace.data.assets.load_default_target`], offline SmolLM2-135M-Instruct),
             `"tiny-random-qwen3"` ([`build_tiny_target`], no tokenizer), or a path/Hub id.
         dtype (`str`): `"auto"`, `"float32"`, `"bfloat16"` or `"float16"`.
+        init_kwargs (`dict`, *optional*): more `from_pretrained` arguments for a path/Hub id target
+            (`ReTraceConfig.target_model_init_kwargs`).
     Returns:
         `(target, tokenizer)`; the target in eval mode with `requires_grad=False`; tokenizer `None` for the tiny target.
     """
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if init_kwargs and name_or_path in ("default", TINY_TARGET_NAME):
+        raise ValueError(f"target_model_init_kwargs apply to path/Hub targets, not to {name_or_path!r}")
     if name_or_path == "default":
         from ..data.assets import load_default_target  # needs the optional `assets` extra
 
@@ -43,7 +47,7 @@ def load_target(name_or_path: str, dtype: str = "bfloat16"):
         if torch_dtype != "auto":
             target = target.to(torch_dtype)
     else:
-        target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **(init_kwargs or {}))
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     return target.eval().requires_grad_(False), tokenizer
 

@@ -5,15 +5,15 @@ from collections import defaultdict
 from itertools import pairwise
 
 import torch
-from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
 from ..models.generation_retrace import validate_drafter_for_target
-from .losses import loss_decay_weights
 from ..models.modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
+from .callbacks import BetaWarmupCallback
 from .config import ReTraceConfig
 from .draft_vocab import TrainingDraftHead
+from .losses import loss_decay_weights
 from .objective import LossSettings, dflash_training_step, retrace_training_step
 
 
@@ -66,7 +66,11 @@ class ReTraceTrainer(Trainer):
             from ..data.responses import DataCollatorForReTrace  # the data module pulls in `datasets`
 
             data_collator = DataCollatorForReTrace(pad_token_id=target.config.get_text_config().pad_token_id or 0)
-        super().__init__(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator, **kwargs)
+        callbacks = [*(kwargs.pop("callbacks", None) or []), BetaWarmupCallback()]
+        super().__init__(
+            model=model, args=args, train_dataset=train_dataset, data_collator=data_collator, callbacks=callbacks,
+            **kwargs,
+        )  # fmt: skip
         self.model_accepts_loss_kwargs = False  # the loss is a per-batch mean: let Trainer scale by accumulation
         self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
         block_size = model.config.block_size
@@ -80,20 +84,12 @@ class ReTraceTrainer(Trainer):
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
         self._eval_batches = 0
 
-    def train(self, *args, **kwargs):
-        """[`Trainer.train`]; afterwards `beta` is back to its inference value 1, whatever the warm-up reached."""
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._set_beta(1.0)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """One DFlash or ReTrace step on a padded batch (`input_ids`, `attention_mask`, `loss_mask`)."""
         args = self.args
         length = args.max_length
         input_ids, loss_mask = inputs["input_ids"][:, :length], inputs["loss_mask"][:, :length]
         attention_mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))[:, :length]
-        beta = self._set_beta()
         mode = "train" if model.training else "eval"
         generator = self._anchor_generator() if mode == "train" else self._eval_generator()
         features = inputs.get("features")
@@ -106,6 +102,7 @@ class ReTraceTrainer(Trainer):
             num_anchors=args.num_anchors, loss=self.loss_settings, generator=generator,
             features=features[:, :length] if args.feature_source == "cached" else None,
             max_blocks_per_forward=args.max_blocks_per_forward,
+            config=self.accelerator.unwrap_model(model).config,  # DDP has no `.config`; PEFT forwards it
         )  # fmt: skip
         if args.training_mode == "dflash":
             out = dflash_training_step(model, self.target, input_ids, attention_mask, loss_mask, **common)
@@ -114,7 +111,7 @@ class ReTraceTrainer(Trainer):
                 model, self.target, input_ids, attention_mask, loss_mask,
                 verification_features=args.verification_features, **common,
             )  # fmt: skip
-            out.metrics.update(beta=beta, gate_norm=self._gate_norm())
+            out.metrics.update(beta=self._beta(), gate_norm=self._gate_norm())
         for key, value in out.metrics.items():
             self._metrics[mode][key].append(value)
         return (out.loss, out) if return_outputs else out.loss
@@ -181,21 +178,12 @@ class ReTraceTrainer(Trainer):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.accelerator.is_main_process:
-            merged = _merged_copy(self.accelerator.unwrap_model(self.model))
-            merged.save_pretrained(output_dir)
+            save_merged(self.accelerator.unwrap_model(self.model), output_dir)
         self.accelerator.wait_for_everyone()
 
-    def _set_beta(self, beta: float | None = None) -> float:
-        """Linear warm-up of the correction coefficient (paper App. D): 0 at step 0, 1 after `beta_warmup_steps`."""
-        if beta is None:
-            warmup = self.args.beta_warmup_steps
-            if warmup is None:
-                warmup = int(0.1 * self.state.max_steps)
-            beta = 1.0 if warmup == 0 else min(1.0, self.state.global_step / warmup)
-        for module in self.model.modules():
-            if isinstance(module, ReTraceTrajectoryEncoder):
-                module.beta = beta  # a plain float attribute (not a buffer)
-        return beta
+    def _beta(self) -> float:
+        """The correction coefficient the step runs with (set by [`BetaWarmupCallback`])."""
+        return next(m.beta for m in self.model.modules() if isinstance(m, ReTraceTrajectoryEncoder))
 
     def _gate_norm(self) -> float:
         encoders = [m for m in self.model.modules() if isinstance(m, ReTraceTrajectoryEncoder)]
@@ -304,11 +292,31 @@ def _wrap_peft(drafter: ReTraceDrafterModel, peft_config):
     return model
 
 
-def _merged_copy(peft_model: nn.Module) -> ReTraceDrafterModel:
-    """A merged copy of a PEFT drafter (the live model keeps training its adapter)."""
-    import copy
+def save_merged(peft_model, output_dir: str) -> None:
+    """Saves a PEFT drafter as a plain drafter folder with its LoRA merged, without copying the model.
 
-    return copy.deepcopy(peft_model).merge_and_unload()
+    The adapters are merged into the base weights in place (`W += B A`), the drafter's state dict is saved under its
+    own keys (`q_proj.base_layer.weight` -> `q_proj.weight`, the trained `modules_to_save` copy of `retrace.*`, no
+    `lora_*` tensors), then the adapters are unmerged, so the live model trains on (its base weights back up to
+    float rounding).
+    """
+    peft_model.merge_adapter()
+    try:
+        base = peft_model.get_base_model()
+        base.save_pretrained(output_dir, state_dict=_plain_state_dict(base.state_dict()))
+    finally:
+        peft_model.unmerge_adapter()
 
 
-__all__ = ["DEFAULT_LORA_TARGET_MODULES", "ReTraceTrainer"]
+def _plain_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict of a LoRA-wrapped drafter under the plain drafter's keys (see [`save_merged`])."""
+    plain = {}
+    for key, value in state.items():
+        if "lora_" in key or ".original_module." in key:
+            continue
+        key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        plain[key] = value
+    return plain
+
+
+__all__ = ["DEFAULT_LORA_TARGET_MODULES", "ReTraceTrainer", "save_merged"]
