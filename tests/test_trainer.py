@@ -271,3 +271,29 @@ def test_beta_warmup_schedule(step, max_steps, warmup, beta):
     from hf_retrace.trainer.callbacks import warmed_up_beta
 
     assert warmed_up_beta(step, max_steps, warmup) == beta
+
+
+def test_save_writes_a_model_card_with_the_trainer_tags(dflash_dir, target, dataset, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_retrace.hub.model_card import CARD_TAGS
+
+    card = ModelCard.load(dflash_dir / "README.md")  # written by the fixture's trainer.save_model
+    assert set(CARD_TAGS) | set(ReTraceTrainer._tag_names) <= set(card.data.tags)
+    assert card.data.base_model is None  # the tiny target has no Hub id
+    assert f'"{dflash_dir.name}"' in card.text  # the usage snippet names the folder (no hub_model_id)
+    trainer = ReTraceTrainer(model=fresh_drafter(target), target=target, train_dataset=dataset, data_collator=collate,
+                             args=make_args(tmp_path, hub_model_id="org/my-drafter", max_steps=1))  # fmt: skip
+    trainer.create_model_card(tags=["extra"])
+    card = ModelCard.load(tmp_path / "README.md")
+    assert "extra" in card.data.tags and '"org/my-drafter"' in card.text
+    assert set(ReTraceTrainer._tag_names) <= set(trainer.model.model_tags)
+
+
+def test_card_base_model_is_the_target_hub_id_only(tmp_path):
+    from hf_retrace.trainer.trainer import _hub_id_of_target
+
+    assert _hub_id_of_target("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "local").mkdir()
+    assert _hub_id_of_target(str(tmp_path / "org" / "local")) is None and _hub_id_of_target("") is None

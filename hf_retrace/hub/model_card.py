@@ -71,12 +71,13 @@ def eval_table(eval_data: dict) -> str:
 
 def render_model_card(
     config, *, repo_id: str, base_model=None, license="apache-2.0", datasets=None, eval_data=None,
-    num_parameters=None, template_path=None,
+    num_parameters=None, template_path=None, tags=None,
 ) -> ModelCard:  # fmt: skip
     """Renders `hf_retrace/hub/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
 
     Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (the target), `license`,
-    `tags` [`CARD_TAGS`], `datasets`. The usage snippet loads `repo_id` and `base_model`.
+    `tags` [`CARD_TAGS`] then `tags` (e.g. the trainer's), `datasets`. The usage snippet loads `repo_id` and
+    `base_model`.
     """
     template = Path(template_path or DEFAULT_TEMPLATE_PATH)
     if not template.is_file():
@@ -85,7 +86,8 @@ def render_model_card(
             "under model_cards/)."
         )
     data = ModelCardData(
-        **FIXED_METADATA, base_model=base_model, license=license, tags=list(CARD_TAGS), datasets=datasets or None
+        **FIXED_METADATA, base_model=base_model, license=license, tags=list(dict.fromkeys([*CARD_TAGS, *(tags or [])])),
+        datasets=datasets or None,
     )
     setup = {k: v for k, v in (eval_data or {}).items() if k != "results" and isinstance(v, (str, int, float, bool))}
     return ModelCard.from_template(

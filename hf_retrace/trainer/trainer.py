@@ -1,8 +1,10 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 """`ReTraceTrainer`: trains a DFlash/ReTrace drafter against a frozen target with [`transformers.Trainer`]."""
 
+import os
 from collections import defaultdict
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 from transformers import Trainer
@@ -60,6 +62,7 @@ class ReTraceTrainer(Trainer):
         _validate_models(model, target, args)
         _validate_dataset(train_dataset)
         _configure_drafter(model, args)
+        model.add_model_tags(self._tag_names)  # what transformers' own cards of this model carry
         if peft_config is not None:
             model = _wrap_peft(model, peft_config)
         if data_collator is None:
@@ -173,13 +176,37 @@ class ReTraceTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Checkpoints save the drafter folder (or the adapter with PEFT); the final `save_model` of a PEFT run with
-        `merge_adapter=True` writes the merged drafter, loadable by `ReTraceDrafterModel.from_pretrained`."""
-        if _internal_call or not self.args.merge_adapter or not hasattr(self.model, "merge_and_unload"):
-            return super().save_model(output_dir, _internal_call=_internal_call)
+        `merge_adapter=True` writes the merged drafter, loadable by `ReTraceDrafterModel.from_pretrained`. Every
+        save also writes the model card ([`create_model_card`])."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.accelerator.is_main_process:
-            save_merged(self.accelerator.unwrap_model(self.model), output_dir)
-        self.accelerator.wait_for_everyone()
+        if _internal_call or not self.args.merge_adapter or not hasattr(self.model, "merge_and_unload"):
+            super().save_model(output_dir, _internal_call=_internal_call)
+        else:
+            if self.accelerator.is_main_process:
+                save_merged(self.accelerator.unwrap_model(self.model), output_dir)
+            self.accelerator.wait_for_everyone()
+        self.create_model_card(output_dir=output_dir)
+
+    def create_model_card(self, model_name: str | None = None, tags: list[str] | None = None, output_dir=None,
+                          **kwargs) -> None:  # fmt: skip
+        """Writes `README.md` into `output_dir` (default `args.output_dir`), TRL-style, on the main process: the
+        drafter card of `hf_retrace.hub.model_card` with metadata `base_model` (the target's `name_or_path` when it
+        is a Hub id; `hf-retrace publish --base-model` sets it otherwise),
+        tags [`CARD_TAGS`] + the trainer's `_tag_names` + `tags`, and the Usage snippet for `hub_model_id` (else
+        `model_name`, else the folder name). `kwargs` (transformers' card fields) are not used."""
+        if not self.args.should_save:
+            return
+        from ..hub.model_card import render_model_card  # the card needs huggingface_hub only
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        drafter = _base_drafter(self.accelerator.unwrap_model(self.model))
+        card = render_model_card(
+            drafter.config, repo_id=self.args.hub_model_id or model_name or Path(output_dir).name,
+            base_model=_hub_id_of_target(self.target.name_or_path),
+            num_parameters=drafter.num_parameters(), tags=[*self._tag_names, *(tags or [])],
+        )  # fmt: skip
+        os.makedirs(output_dir, exist_ok=True)
+        card.save(os.path.join(output_dir, "README.md"))
 
     def _beta(self) -> float:
         """The correction coefficient the step runs with (set by [`BetaWarmupCallback`])."""
@@ -206,10 +233,23 @@ class ReTraceTrainer(Trainer):
         return torch.Generator().manual_seed(seed % (2**63))
 
 
+def _base_drafter(model) -> ReTraceDrafterModel:
+    """The drafter under PEFT (`get_base_model`); accelerate's `unwrap_model` has already removed DDP/compile."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _draft_vocab_ids(drafter) -> torch.Tensor | None:
-    """The drafter's reduced draft vocabulary (through PEFT/DDP wrappers), or `None` for the full vocabulary."""
-    base = drafter.get_base_model() if hasattr(drafter, "get_base_model") else drafter
-    return getattr(base, "draft_vocab_ids", None)
+    """The drafter's reduced draft vocabulary (through PEFT), or `None` for the full vocabulary."""
+    return getattr(_base_drafter(drafter), "draft_vocab_ids", None)
+
+
+def _hub_id_of_target(name_or_path: str) -> str | None:
+    """`name_or_path` when it is an `ORG/NAME` Hub id and not a local folder, else `None` (local, GGUF-converted
+    or synthetic targets have no Hub id to name)."""
+    from ..hub.validation import is_repo_id
+
+    is_hub_id = "/" in name_or_path and is_repo_id(name_or_path) and not os.path.exists(name_or_path)
+    return name_or_path if is_hub_id else None
 
 
 def _is_retrace_parameter(name: str) -> bool:
