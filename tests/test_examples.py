@@ -20,3 +20,16 @@ def test_lazy_training_exports():
 
     assert hf_retrace.ReTraceTrainer is ReTraceTrainer
     assert hf_retrace.ReTraceConfig.__name__ == "ReTraceConfig"
+
+
+def test_readme_quickstart_runs_as_written(capsys, monkeypatch):
+    """The README's Quickstart block, unmodified, from the repository root (offline default target)."""
+    import re
+
+    root = EXAMPLES.parent
+    readme = (root / "README.md").read_text()
+    code = re.search(r"## Quickstart\n.*?```python\n(.*?)```", readme, flags=re.DOTALL).group(1)
+    monkeypatch.chdir(root)
+    exec(compile(code, "README.md#quickstart", "exec"), {"__name__": "__main__"})
+    text, stats = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert text.strip() and float(stats.split()[0]) >= 1.0
