@@ -32,17 +32,31 @@ from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_
 class ReTraceConditioning:
     """The previous round's rejected suffix, aligned slot by slot with the next draft block.
 
+    Two layouts. At inference the conditioned slots are always `1 .. L` with `L` known on the host, so the tensors
+    hold just those `L` slots and `slot_mask` is `None`: applying them is slicing, with no boolean gather or
+    `index_put` (each a host sync on an accelerator). In training, slots vary per block, so the tensors span all
+    slots (zeros where unconditioned) and `slot_mask` says which are conditioned.
+
     Args:
-        hidden_states (`torch.Tensor` of shape `(batch_size, num_slots, hidden_size)`):
-            drafter final (post-norm) hidden states placed on the slots they condition; zeros elsewhere.
-        target_features (`torch.Tensor` of shape `(batch_size, num_slots, len(target_layer_ids) * hidden_size)`):
-            target verification features of the position that scored each retained draft; zeros elsewhere.
-        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`): which slots are conditioned.
+        hidden_states (`torch.Tensor` of shape `(batch_size, L or num_slots, hidden_size)`):
+            drafter final (post-norm) hidden states of the retained drafts.
+        target_features (`torch.Tensor` of shape `(batch_size, L or num_slots, len(target_layer_ids) * hidden_size)`):
+            target verification features of the position that scored each retained draft.
+        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`, *optional*): which slots are conditioned;
+            `None` for the inference layout (slots `1 .. L`).
     """
 
     hidden_states: torch.Tensor
     target_features: torch.Tensor
-    slot_mask: torch.Tensor
+    slot_mask: torch.Tensor | None = None
+
+    def dense_slot_mask(self, num_slots: int) -> torch.Tensor:
+        """`(batch_size, num_slots)` bool mask of the conditioned slots, for either layout."""
+        if self.slot_mask is not None:
+            return self.slot_mask
+        slots = torch.arange(num_slots, device=self.hidden_states.device)
+        retained = self.hidden_states.shape[1]
+        return ((slots >= 1) & (slots <= retained)).expand(self.hidden_states.shape[0], num_slots)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
@@ -156,14 +170,15 @@ class ReTraceTrajectoryEncoder(nn.Module):
     def forward(
         self, inputs_embeds: torch.Tensor, states: torch.Tensor, target_context: torch.Tensor | None
     ) -> torch.Tensor:
-        """Runs on the conditioned slots only (`M` rows gathered by the model), so the cost scales with `L`, not `B`.
+        """Runs on the conditioned slots only, so the cost scales with `L`, not `B`. `(...)` is `(M,)` for the `M`
+        rows the training layout gathers, `(batch, L)` for the inference slice.
 
         Args:
-            inputs_embeds (`torch.Tensor` of shape `(M, hidden)`): mask-slot input embeddings `e_j`.
-            states (`torch.Tensor` of shape `(M, hidden)`): retained drafter states `h_j`.
-            target_context (`torch.Tensor` of shape `(M, hidden)`, *optional*): projected target features `t_j`;
+            inputs_embeds (`torch.Tensor` of shape `(..., hidden)`): mask-slot input embeddings `e_j`.
+            states (`torch.Tensor` of shape `(..., hidden)`): retained drafter states `h_j`.
+            target_context (`torch.Tensor` of shape `(..., hidden)`, *optional*): projected target features `t_j`;
                 needed for mode `corrected`.
-        Returns: `torch.Tensor` of shape `(M, hidden)`, the new input embeddings `e'_j`.
+        Returns: `torch.Tensor` of shape `(..., hidden)`, the new input embeddings `e'_j`.
         """
         states = states.to(inputs_embeds.dtype)
         mode = self.config.retrace_mode
@@ -342,9 +357,15 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
     def apply_rejected_trajectory(self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning) -> torch.Tensor:
         """`noise_embeds` `(batch, Q, hidden)` with the conditioned slots replaced by `e'_j`; the anchor and the
         unconditioned slots are returned untouched."""
+        corrected = self.config.retrace_mode == "corrected"
+        if conditioning.slot_mask is None:  # inference layout: slots 1..L, so slices
+            end = 1 + conditioning.hidden_states.shape[1]
+            target_context = self.project_context(conditioning.target_features) if corrected else None  # [b, L, H]
+            rows = self.retrace(noise_embeds[:, 1:end], conditioning.hidden_states, target_context)
+            return torch.cat([noise_embeds[:, :1], rows.to(noise_embeds.dtype), noise_embeds[:, end:]], dim=1)
         slot_mask = conditioning.slot_mask  # [b, Q]
         target_context = None
-        if self.config.retrace_mode == "corrected":
+        if corrected:
             target_context = self.project_context(conditioning.target_features[slot_mask])  # [M, H]
         rows = self.retrace(noise_embeds[slot_mask], conditioning.hidden_states[slot_mask], target_context)
         return noise_embeds.index_put((slot_mask,), rows)
