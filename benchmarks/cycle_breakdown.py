@@ -10,7 +10,8 @@ Every part is timed by wrapping the call that does it, during real `generate(...
 - bookkeeping: everything else in the cycle (transformers' candidate and cache handling, crops, concatenations).
 
 Also printed: a 1-token target decoding step, and the verification forward's cost in those steps, for each B.
-Usage: `python benchmarks/cycle_breakdown.py --drafter model_cards/smollm2-135m-dflash --block-sizes 8,16`.
+Usage: `python benchmarks/cycle_breakdown.py --drafter model_cards/smollm2-135m-dflash --block-sizes 8,16`
+(`--compile`: the drafter under `torch.compile`).
 A drafter trained with B = 16 run at B = 8 drafts the first 7 slots of its block (the time is what matters here).
 """
 
@@ -73,6 +74,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
         return out
 
     target.forward = target_forward
+    own = {name: drafter.__dict__.get(name) for name in ("forward", "apply_rejected_trajectory")}  # e.g. compiled
     timers.wrap(drafter, "forward", "drafter (incl. conditioning)")
     timers.wrap(drafter, "apply_rejected_trajectory", "conditioning")
     head_original = DraftLMHead.forward
@@ -110,7 +112,11 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
     finally:
         target.forward = original_forward
         DraftLMHead.forward = head_original
-        del drafter.forward, drafter.apply_rejected_trajectory
+        for name, method in own.items():
+            if method is None:
+                delattr(drafter, name)
+            else:
+                setattr(drafter, name, method)
         lm_head.forward = lm_original
     s = timers.seconds
     parts = {
@@ -147,6 +153,8 @@ def main():
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="time a reduced draft vocabulary: the K most frequent tokens of --pool")  # fmt: skip
     parser.add_argument("--pool", default="data/smollm2-pool")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the drafter's forward (dynamic shapes; two warm-up generations first)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
@@ -165,6 +173,11 @@ def main():
 
             responses = [row["response_ids"] for row in read_token_shards(args.pool)]
             drafter.set_draft_vocab(most_frequent_tokens(responses, args.draft_vocab_size))
+        if args.compile:  # an instance attribute: `run` wraps it like the plain forward
+            drafter.forward = torch.compile(drafter.forward, dynamic=True)
+            start = time.perf_counter()
+            run(target, tokenizer, drafter, args.max_new_tokens)  # compiles, and recompiles on new shapes
+            print(f"torch.compile warm-up generations: {time.perf_counter() - start:.0f} s")
         verify = decode_step_ms(target, block_size)
         result = run(target, tokenizer, drafter, args.max_new_tokens)
         parts = result["per_cycle_ms"]

@@ -1,4 +1,4 @@
-"""Target forward time for L new tokens on a cached prefix (L = 1, 4, 8, 16): the cost of verifying a block of
+"""Target forward time for L new tokens on a cached prefix (L = 1, 2, 4, 6, 8, 12, 16): the cost of verifying a block of
 L tokens vs one decoding step, which is what block size trades against. Prints the median of several runs.
 
     python benchmarks/verification_cost.py [--prefix 200] [--repeats 7] [--dtype fp32]
@@ -36,7 +36,7 @@ def main():
     prefix = torch.randint(0, target.config.vocab_size, (1, args.prefix))
     with torch.no_grad():
         base = forward_ms(target, prefix, 1, args.repeats)
-        for num_new in (1, 4, 8, 16):
+        for num_new in (1, 2, 4, 6, 8, 12, 16):
             ms = forward_ms(target, prefix, num_new, args.repeats)
             print(f"verify {num_new:>2} tokens: {ms:7.1f} ms  ({ms / base:.2f}x one decoding step)")
 

@@ -47,6 +47,20 @@ def test_init_drafter_applies_it_only_when_asked(target, tmp_path):
     assert not torch.equal(random.layers[0].mlp.up_proj.weight, source)
 
 
+def test_loaded_drafter_takes_a_new_block_size(target, tmp_path):
+    """B sizes no parameter: a saved B = 8 drafter loads for training at B = 4 with the same weights."""
+    torch.manual_seed(0)
+    saved = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=8, anchor_broadcast=True)
+    saved.save_pretrained(tmp_path / "b8")
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", drafter_name_or_path=str(tmp_path / "b8"))
+    kept = init_drafter(ReTraceConfig(**common), target)
+    reblocked = init_drafter(ReTraceConfig(**common, block_size=4), target)
+    assert kept.config.block_size == 8
+    assert reblocked.config.block_size == 4 and reblocked.anchor_broadcast.block_size == 4
+    for (name, a), (_, b) in zip(kept.state_dict().items(), reblocked.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_errors(target, tmp_path):
     with pytest.raises(ValueError, match="drafter_init must be one of"):
         ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_init="pretrained")

@@ -99,6 +99,20 @@ def test_overwrite_mode_replaces_inputs(tiny_target):
     torch.testing.assert_close(out[0, [0, 3]], noise[0, [0, 3]])
 
 
+@pytest.mark.parametrize("mode", ["gated", "corrected", "overwrite"])
+def test_sliced_inference_layout_equals_masked_layout(tiny_target, mode):
+    """Slots 1..L as slices (inference) give exactly what the boolean-mask layout (training) gives."""
+    drafter = make_drafter(tiny_target, mode=mode)
+    torch.nn.init.normal_(drafter.retrace.value_proj.weight)  # zero-initialised otherwise: nothing to compare
+    noise, _, masked = _block_inputs(drafter)  # slots 1..2 conditioned
+    sliced = ReTraceConditioning(masked.hidden_states[:, 1:3], masked.target_features[:, 1:3])
+    assert sliced.dense_slot_mask(noise.shape[1]).tolist() == masked.slot_mask.tolist()
+    with torch.no_grad():
+        expected = drafter.apply_rejected_trajectory(noise, masked)
+        torch.testing.assert_close(drafter.apply_rejected_trajectory(noise, sliced), expected, rtol=0, atol=0)
+    assert (expected != noise).any(-1)[0].tolist() == masked.slot_mask[0].tolist()
+
+
 def _write_zlab_folder(folder, drafter, drop=()):
     """A synthetic checkpoint in the public z-lab DFlash format (backbone keys only, `dflash_config`)."""
     cfg = drafter.config

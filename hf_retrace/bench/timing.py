@@ -42,8 +42,7 @@ class TargetCycleRecorder:
 
 
 class ConditioningTimer:
-    """Wall time ReTrace spends on conditioning while it is entered: reading the verification features, building the
-    rejected trajectory, projecting its target features and the drafter's `retrace` submodule (perf_counter, with a
+    """Wall time ReTrace spends on conditioning while it is entered: building the rejected trajectory, projecting its target features and the drafter's `retrace` submodule (perf_counter, with a
     CUDA sync around each span on GPU, which costs drafter methods a few syncs per cycle there). Wraps the generator's
     helpers for the duration only and restores them on exit; it changes no computation."""
 
@@ -87,11 +86,9 @@ class ConditioningTimer:
         self.seconds += time.perf_counter() - self._span_start
 
     def __enter__(self):
-        gen, cls = self._generation, self._generation.ReTraceCandidateGenerator
+        gen = self._generation
         self._restore = [(gen, "build_rejected_trajectory", gen.build_rejected_trajectory)]
-        self._restore.append((cls, "_verification_features", cls.__dict__["_verification_features"]))
         gen.build_rejected_trajectory = self._timed(gen.build_rejected_trajectory, keep_trajectory=True)
-        cls._verification_features = self._timed(cls.__dict__["_verification_features"])
         self.drafter.project_context = self._projection(self.drafter.project_context)
         retrace = self.drafter.retrace
         self._handles = [retrace.register_forward_pre_hook(self._start), retrace.register_forward_hook(self._stop)]

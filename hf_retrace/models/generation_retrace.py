@@ -31,17 +31,31 @@ SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max) as (major, minor)
 class ReTraceConditioning:
     """The previous round's rejected suffix, aligned slot by slot with the next draft block.
 
+    Two layouts. At inference the conditioned slots are always `1 .. L` with `L` known on the host, so the tensors
+    hold just those `L` slots and `slot_mask` is `None`: applying them is slicing, with no boolean gather or
+    `index_put` (each a host sync on an accelerator). In training, slots vary per block, so the tensors span all
+    slots (zeros where unconditioned) and `slot_mask` says which are conditioned.
+
     Args:
-        hidden_states (`torch.Tensor` of shape `(batch_size, num_slots, hidden_size)`):
-            drafter final (post-norm) hidden states placed on the slots they condition; zeros elsewhere.
-        target_features (`torch.Tensor` of shape `(batch_size, num_slots, len(target_layer_ids) * hidden_size)`):
-            target verification features of the position that scored each retained draft; zeros elsewhere.
-        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`): which slots are conditioned.
+        hidden_states (`torch.Tensor` of shape `(batch_size, L or num_slots, hidden_size)`):
+            drafter final (post-norm) hidden states of the retained drafts.
+        target_features (`torch.Tensor` of shape `(batch_size, L or num_slots, len(target_layer_ids) * hidden_size)`):
+            target verification features of the position that scored each retained draft.
+        slot_mask (`torch.BoolTensor` of shape `(batch_size, num_slots)`, *optional*): which slots are conditioned;
+            `None` for the inference layout (slots `1 .. L`).
     """
 
     hidden_states: torch.Tensor
     target_features: torch.Tensor
-    slot_mask: torch.Tensor
+    slot_mask: torch.Tensor | None = None
+
+    def dense_slot_mask(self, num_slots: int) -> torch.Tensor:
+        """`(batch_size, num_slots)` bool mask of the conditioned slots, for either layout."""
+        if self.slot_mask is not None:
+            return self.slot_mask
+        slots = torch.arange(num_slots, device=self.hidden_states.device)
+        retained = self.hidden_states.shape[1]
+        return ((slots >= 1) & (slots <= retained)).expand(self.hidden_states.shape[0], num_slots)
 
 
 def build_rejected_trajectory(
@@ -56,23 +70,22 @@ def build_rejected_trajectory(
             verification inputs `[a, d1 .. d_{B-1}]` (block position i = absolute position p+i).
         num_matches (`int`): accepted drafts n, in `[0, B-1]`.
     Returns:
-        [`ReTraceConditioning`] with `B` slots, or `None` when nothing is retained (`L = B-2-n <= 0`).
+        [`ReTraceConditioning`] in the inference layout (`L` slots, `slot_mask=None`), or `None` when nothing is
+        retained (`L = B-2-n <= 0`).
 
     Worked example, B = 8, n = 2: c replaces d3 at p+3 and anchors round r+1. Retained slots j = 4..7 (L = 4) sit at
     p+4..p+7, which are next slots 1..4. Their features come from verification positions j-1 = 3..6.
     """
-    batch, block_size, _ = draft_hidden_states.shape
+    block_size = draft_hidden_states.shape[1]
     retained = block_size - 2 - num_matches
     if retained <= 0:
         return None
     first = num_matches + 2  # first retained slot j
-    hidden = draft_hidden_states.new_zeros(draft_hidden_states.shape)
-    features = verification_features.new_zeros(verification_features.shape)
-    hidden[:, 1 : 1 + retained] = draft_hidden_states[:, first:block_size]
-    features[:, 1 : 1 + retained] = verification_features[:, first - 1 : block_size - 1]
-    slot_mask = torch.zeros(batch, block_size, dtype=torch.bool, device=draft_hidden_states.device)
-    slot_mask[:, 1 : 1 + retained] = True
-    return ReTraceConditioning(hidden_states=hidden, target_features=features, slot_mask=slot_mask)
+    # views, no copies: next-round slot s = 1..L holds h_{s+n+1} and the features of verification position s+n
+    return ReTraceConditioning(
+        hidden_states=draft_hidden_states[:, first:block_size],
+        target_features=verification_features[:, first - 1 : block_size - 1],
+    )
 
 
 @dataclass
@@ -137,13 +150,21 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.pending_trajectory: ReTraceConditioning | None = None
         self.last_draft_hidden_states: torch.Tensor | None = None
         self._drafted = False
+        # The parent concatenates `hidden_states[i + 1]` over `target_layer_ids` for the accepted context, and
+        # ReTrace needs the same layers at the rejected positions too. `get_candidates` concatenates once and hands
+        # the parent that tensor as a single "layer" 0 (`hidden_states[1]`), so it only slices it.
+        self.feature_layer_ids = list(self.target_layer_ids)
+        self.target_layer_ids = [0]
 
     def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
         self.pending_trajectory = None
-        if self._drafted and self.uses_trajectory:
-            self.pending_trajectory = build_rejected_trajectory(
-                self.last_draft_hidden_states, self._verification_features(model_outputs), int(n_last_matches)
-            )
+        if model_outputs is not None and not is_first_iteration:
+            features = self._concatenated_features(model_outputs)  # [1, T_last, F]
+            if self._drafted and self.uses_trajectory:  # T_last = B: the verification inputs [a, d1 .. d_{B-1}]
+                self.pending_trajectory = build_rejected_trajectory(
+                    self.last_draft_hidden_states, features[:, -self.block_size :], int(n_last_matches)
+                )
+            model_outputs = _ConcatenatedFeatures(hidden_states=(None, features))
         candidate_ids, candidate_logits = super().get_candidates(
             input_ids,
             model_kwargs=model_kwargs,
@@ -161,12 +182,21 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             self.stats.acceptance_lengths.append(n + 1)
             self.stats.retained_lengths.append(max(self.block_size - 2 - n, 0) if self.uses_trajectory else 0)
 
-    def _verification_features(self, model_outputs) -> torch.Tensor:
-        """`[1, B, len(ids) * H]`: target features of the last verification's B inputs `[a, d1 .. d_{B-1}]`."""
+    def _concatenated_features(self, model_outputs) -> torch.Tensor:
+        """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
+        after prefill, the B verification inputs afterwards), concatenated once per cycle."""
         if model_outputs is None or model_outputs.hidden_states is None:
             raise ValueError("ReTrace needs the target's hidden states from the verification pass; got none.")
-        feats = [model_outputs.hidden_states[i + 1][:, -self.block_size :] for i in self.target_layer_ids]
+        feats = [model_outputs.hidden_states[i + 1] for i in self.feature_layer_ids]
         return torch.cat(feats, dim=-1).to(self.device)
+
+
+@dataclass
+class _ConcatenatedFeatures:
+    """What the parent `get_candidates` reads of the target outputs: `hidden_states[1]` is the layers already
+    concatenated (see `ReTraceCandidateGenerator.__init__`)."""
+
+    hidden_states: tuple
 
 
 def validate_drafter_for_target(target, drafter) -> None:

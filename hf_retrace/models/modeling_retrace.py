@@ -140,14 +140,15 @@ class ReTraceTrajectoryEncoder(nn.Module):
     def forward(
         self, inputs_embeds: torch.Tensor, states: torch.Tensor, target_context: torch.Tensor | None
     ) -> torch.Tensor:
-        """Runs on the conditioned slots only (`M` rows gathered by the model), so the cost scales with `L`, not `B`.
+        """Runs on the conditioned slots only, so the cost scales with `L`, not `B`. `(...)` is `(M,)` for the `M`
+        rows the training layout gathers, `(batch, L)` for the inference slice.
 
         Args:
-            inputs_embeds (`torch.Tensor` of shape `(M, hidden)`): mask-slot input embeddings `e_j`.
-            states (`torch.Tensor` of shape `(M, hidden)`): retained drafter states `h_j`.
-            target_context (`torch.Tensor` of shape `(M, hidden)`, *optional*): projected target features `t_j`;
+            inputs_embeds (`torch.Tensor` of shape `(..., hidden)`): mask-slot input embeddings `e_j`.
+            states (`torch.Tensor` of shape `(..., hidden)`): retained drafter states `h_j`.
+            target_context (`torch.Tensor` of shape `(..., hidden)`, *optional*): projected target features `t_j`;
                 needed for mode `corrected`.
-        Returns: `torch.Tensor` of shape `(M, hidden)`, the new input embeddings `e'_j`.
+        Returns: `torch.Tensor` of shape `(..., hidden)`, the new input embeddings `e'_j`.
         """
         states = states.to(inputs_embeds.dtype)
         mode = self.config.retrace_mode
@@ -325,9 +326,15 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
     def apply_rejected_trajectory(self, noise_embeds: torch.Tensor, conditioning: ReTraceConditioning) -> torch.Tensor:
         """`noise_embeds` `(batch, Q, hidden)` with the conditioned slots replaced by `e'_j`; the anchor and the
         unconditioned slots are returned untouched."""
+        corrected = self.config.retrace_mode == "corrected"
+        if conditioning.slot_mask is None:  # inference layout: slots 1..L, so slices
+            end = 1 + conditioning.hidden_states.shape[1]
+            target_context = self.project_context(conditioning.target_features) if corrected else None  # [b, L, H]
+            rows = self.retrace(noise_embeds[:, 1:end], conditioning.hidden_states, target_context)
+            return torch.cat([noise_embeds[:, :1], rows.to(noise_embeds.dtype), noise_embeds[:, end:]], dim=1)
         slot_mask = conditioning.slot_mask  # [b, Q]
         target_context = None
-        if self.config.retrace_mode == "corrected":
+        if corrected:
             target_context = self.project_context(conditioning.target_features[slot_mask])  # [M, H]
         rows = self.retrace(noise_embeds[slot_mask], conditioning.hidden_states[slot_mask], target_context)
         return noise_embeds.index_put((slot_mask,), rows)

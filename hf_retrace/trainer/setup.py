@@ -58,11 +58,13 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
     `args.drafter_name_or_path` (or `model_name_or_path`) loads a ReTrace folder or a z-lab DFlash checkpoint (ReTrace
     modules then start with `W_v = 0`); otherwise a fresh drafter is sized from `target` with `drafter_num_layers`,
     `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset), then warm-started from the target if
-    `args.drafter_init == "target"` ([`init_drafter_from_target`]).
+    `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size` when set:
+    B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned at B = 8.
     """
     path = args.drafter_name_or_path or model_name_or_path
     if path is not None:
-        drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32)
+        overrides = {"block_size": args.block_size} if args.block_size is not None else {}
+        drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32, **overrides)
     else:
         overrides = dict(num_hidden_layers=args.drafter_num_layers, block_size=args.block_size or 16)
         if args.drafter_anchor_broadcast:
