@@ -159,8 +159,7 @@ def main():
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
     one = decode_step_ms(target, 1)
-    print(f"target 1-token decoding step: {one:.1f} ms; draft head dtype {args.draft_logits_dtype or 'float32'}, "
-          f"draft vocabulary {args.draft_vocab_size or 'full'}")  # fmt: skip
+    print(f"target 1-token decoding step: {one:.1f} ms; draft head dtype {args.draft_logits_dtype or 'float32'}")
     for block_size in map(int, args.block_sizes.split(",")):
         drafter = ReTraceDrafterModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
         drafter.config.block_size = block_size
@@ -182,7 +181,8 @@ def main():
         result = run(target, tokenizer, drafter, args.max_new_tokens)
         parts = result["per_cycle_ms"]
         overhead = sum(v for k, v in parts.items() if k != "verification")
-        print(f"\nB = {block_size}: {block_size}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
+        print(f"\ndraft vocabulary: {drafter.config.draft_vocab_size or 'full'}")
+        print(f"B = {block_size}: {block_size}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
               f"{result['cycles']} cycles")  # fmt: skip
         for name, ms in parts.items():
             print(f"  {name:<14}{ms:>8.1f} ms/cycle")
