@@ -26,6 +26,9 @@ def test_default_target_layer_ids_follow_the_dflash_rule():
         ({"mask_token_id": 10**7}, "mask_token_id"),
         ({"target_layer_ids": [1, 40], "num_target_layers": 36}, "target_layer_ids"),
         ({"retrace_gate_init": 0.0}, "retrace_gate_init"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types"),
+        ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}, "sliding_window"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, field):
@@ -259,3 +262,100 @@ def test_anchor_broadcast_starts_at_zero_and_adds_the_anchor_to_mask_slots_per_b
     drafter.save_pretrained(tmp_path)
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
     torch.testing.assert_close(loaded.anchor_broadcast.weight, drafter.anchor_broadcast.weight, rtol=0, atol=0)
+
+
+# The backbone is transformers' in-tree DFlash drafter (muse_glimmer_assistant): what that brings, tested.
+
+
+def _same_drafter(target, attn_implementation, **config):
+    """`make_drafter(target, seed=3)`'s weights (the same for every call) under another attention setup."""
+    drafter = make_drafter(target, seed=3)
+    if config:
+        weights = drafter.state_dict()
+        drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=4, **config)
+        drafter.load_state_dict(weights)
+    drafter.set_attn_implementation(attn_implementation)
+    return drafter.eval()
+
+
+def _training_mask(drafter, ctx_len=5):
+    from hf_retrace.trainer.masks import build_block_mask
+
+    return build_block_mask(torch.tensor([[3]]), torch.tensor([[True]]), ctx_len, drafter.config.block_size)
+
+
+def test_backbone_is_the_in_tree_dflash_drafter(tiny_drafter):
+    from transformers.models.muse_glimmer_assistant import modeling_muse_glimmer_assistant as in_tree
+
+    assert isinstance(tiny_drafter, in_tree.MuseGlimmerAssistantPreTrainedModel)
+    assert isinstance(tiny_drafter.layers[0], in_tree.MuseGlimmerAssistantDecoderLayer)
+    assert isinstance(tiny_drafter.layers[0].self_attn, in_tree.MuseGlimmerAssistantAttention)
+    assert tiny_drafter._supports_sdpa and tiny_drafter._supports_flex_attn and tiny_drafter._supports_flash_attn
+
+
+def test_sdpa_gives_the_same_drafts_as_eager(tiny_target):
+    """eager == sdpa on the inference block (no mask), the training block mask, and in generation."""
+    eager, sdpa = _same_drafter(tiny_target, "eager"), _same_drafter(tiny_target, "sdpa")
+    assert sdpa.config._attn_implementation == "sdpa"
+    noise, context, cond = _block_inputs(eager)
+    with torch.no_grad():
+        for kwargs in ({}, {"rejected_trajectory": cond}, {"attention_mask": _training_mask(eager)}):
+            torch.testing.assert_close(
+                sdpa(noise, context, **kwargs).last_hidden_state, eager(noise, context, **kwargs).last_hidden_state
+            )
+    prompt = random_prompt(6, seed=4)
+    plain = tiny_target.generate(prompt, do_sample=False, max_new_tokens=20)
+    for drafter in (eager, sdpa):
+        out = tiny_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+        assert out.tolist() == plain.tolist()  # lossless with either implementation
+    assert sdpa.last_generation_stats.acceptance_lengths == eager.last_generation_stats.acceptance_lengths
+
+
+def test_flex_attention_gives_the_same_drafts_as_eager(tiny_target):
+    """flex == eager on the inference block (the BlockMask spans `[context ; block]`) and the training block mask.
+    Run under `torch.compile(backend="eager")`, which executes flex's reference implementation: outside a compiled
+    region transformers calls the inductor-compiled flex kernel, which aborts the process on this CPU build (torch
+    2.13, head_dim 8); flex is a GPU feature."""
+    eager, flex = _same_drafter(tiny_target, "eager"), _same_drafter(tiny_target, "flex_attention")
+    noise, context, cond = _block_inputs(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(flex, backend="eager")
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": _training_mask(eager)}):
+            torch.testing.assert_close(
+                compiled(noise, context, **kwargs).last_hidden_state, eager(noise, context, **kwargs).last_hidden_state
+            )
+
+
+def test_sliding_window_layers(tiny_target):
+    """`layer_types` sliding_attention: a window wider than the sequence equals full attention, a narrow window
+    changes the drafts, and greedy generation with it stays lossless."""
+    full = _same_drafter(tiny_target, "sdpa")
+    wide = _same_drafter(tiny_target, "sdpa", layer_types=["sliding_attention"], sliding_window=512)
+    narrow = _same_drafter(tiny_target, "sdpa", layer_types=["sliding_attention"], sliding_window=3)
+    noise, context, _ = _block_inputs(full)
+    with torch.no_grad():
+        expected = full(noise, context).last_hidden_state
+        torch.testing.assert_close(wide(noise, context).last_hidden_state, expected)
+        assert not torch.allclose(narrow(noise, context).last_hidden_state, expected)
+    prompt = random_prompt(6, seed=5)
+    plain = tiny_target.generate(prompt, do_sample=False, max_new_tokens=20)
+    out = tiny_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=narrow)
+    assert out.tolist() == plain.tolist()
+    with pytest.raises(ValueError, match="sliding_attention"):
+        narrow(noise, context, attention_mask=_training_mask(narrow))  # the training block mask has no window
+
+
+def test_forward_compiles_as_one_graph(tiny_drafter):
+    """`_can_compile_fullgraph`, inherited from the in-tree drafter: the whole forward traces without graph breaks
+    (the `eager` backend checks the trace without spending minutes on CPU code generation)."""
+    noise, context, masked = _block_inputs(tiny_drafter)
+    cond = ReTraceConditioning(masked.hidden_states[:, 1:3], masked.target_features[:, 1:3])  # inference layout
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_drafter, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        for kwargs in ({}, {"rejected_trajectory": cond}):
+            torch.testing.assert_close(
+                compiled(noise, context, **kwargs).last_hidden_state,
+                tiny_drafter(noise, context, **kwargs).last_hidden_state,
+            )

@@ -8,6 +8,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 
 RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DRAFT_LOGITS_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
@@ -28,9 +29,18 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     Configuration of [`ReTraceDrafterModel`]: a Qwen3-style DFlash drafter (no embedding table, no lm head: both are
     the target's) and the ReTrace modules that condition a block on the previous round's rejected suffix.
 
+    The backbone is transformers' reference DFlash drafter (`MuseGlimmerAssistantDecoderLayer`), so the
+    attention fields are the ones it reads.
+
     Args:
         vocab_size (`int`): vocabulary size of the TARGET; drafts are scored with the target's lm head.
         hidden_size (`int`): must equal the target's hidden size (the drafter consumes target embeddings).
+        attention_bias (`bool`, defaults to `False`): kept for z-lab/Qwen3 `config.json` compatibility; must be
+            `False` (the in-tree attention has no projection biases).
+        layer_types (`list[str]`, *optional*): `"full_attention"` or `"sliding_attention"` per drafter layer;
+            defaults to all `"full_attention"` (what z-lab DFlash checkpoints are trained with).
+        sliding_window (`int`, *optional*): window of the `"sliding_attention"` layers, in key positions (context
+            and block alike); required when one layer slides.
         block_size (`int`, defaults to 16): slots per draft block; slot 0 is the anchor, slots `1..B-1` are drafted.
         mask_token_id (`int`): target token whose embedding fills the mask slots.
         target_layer_ids (`list[int]`): 0-based target layers whose outputs are concatenated as drafter context.
@@ -71,6 +81,8 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     rope_parameters: dict | None = None
     attention_bias: bool = False
     attention_dropout: float | int = 0.0
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -89,6 +101,8 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         self._check_values()
         super().__post_init__(**kwargs)
 
@@ -111,6 +125,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        self._check_attention()
         if self.draft_logits_dtype not in DRAFT_LOGITS_DTYPES:
             raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {self.draft_logits_dtype!r}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -119,6 +134,22 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             )
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
+
+    def _check_attention(self):
+        if self.attention_bias:
+            raise ValueError(
+                "attention_bias=True is not supported: the drafter's attention is transformers' "
+                "MuseGlimmerAssistantAttention, whose q/k/v/o projections have no bias."
+            )
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types must give one of {LAYER_TYPES} per layer ({self.num_hidden_layers} layers), "
+                f"got {self.layer_types}"
+            )
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(
+                f"sliding_window must be a positive int when a layer is sliding_attention, got {self.sliding_window}"
+            )
 
 
 __all__ = ["ReTraceDrafterConfig", "default_target_layer_ids", "RETRACE_MODES"]
