@@ -170,8 +170,11 @@ def main():
             from hf_retrace.trainer.draft_vocab import most_frequent_tokens
             from hf_retrace.data.pool import read_token_shards
 
-            responses = [row["response_ids"] for row in read_token_shards(args.pool)]
-            drafter.set_draft_vocab(most_frequent_tokens(responses, args.draft_vocab_size))
+            rows = read_token_shards(args.pool)  # ranked as the trainer ranks them (responses, prompts, ids)
+            drafter.set_draft_vocab(most_frequent_tokens(
+                [r["response_ids"] for r in rows], args.draft_vocab_size, prompts=[r["prompt_ids"] for r in rows],
+                vocab_size=drafter.config.vocab_size,
+            ))  # fmt: skip
         if args.compile:  # an instance attribute: `run` wraps it like the plain forward
             drafter.forward = torch.compile(drafter.forward, dynamic=True)
             start = time.perf_counter()
