@@ -11,6 +11,7 @@ from hf_retrace.data.responses import DataCollatorWithFeatures
 from hf_retrace.data.pool import (
     build_pool,
     cache_pool_features,
+    cache_target_ids,
     load_feature_dataset,
     pool_prompt_stream,
     read_token_shards,
@@ -113,3 +114,29 @@ def test_feature_cache_mismatches_are_clear_errors(tmp_path):
         load_feature_dataset(tmp_path / "pool")
     with pytest.raises(ValueError, match="holds features of"):
         cache_pool_features(target, tmp_path / "pool", tmp_path / "features", layer_ids=[1], target_name="tiny")
+
+
+def test_target_ids_are_the_greedy_chain(tmp_path):
+    """`cache_target_ids` adds the target's greedy next token of every position: the prefill argmax over the prompt,
+    the recorded greedy response after it, -100 on the last token; it rewrites only shards that lack it."""
+    target = make_target("llama")
+    items = _items(5)
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids={EOS}, layer_ids=LAYERS,
+               target_name="tiny", batch_size=3, max_new_tokens=8, shard_rows=3)  # fmt: skip
+    assert len(cache_target_ids(target, tmp_path / "features", batch_tokens=24)) == 2  # small batches: padding too
+    assert cache_target_ids(target, tmp_path / "features") == []  # resumable: nothing left to add
+    dataset = load_feature_dataset(tmp_path / "features")
+    for row in dataset:
+        ids, labels, p = row["input_ids"], row["target_ids"], row["prompt_length"]
+        with torch.no_grad():
+            argmax = target(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        assert labels[: p - 1] == argmax[: p - 1]
+        assert labels[p - 1 : -1] == ids[p:] == argmax[p - 1 : -1]  # greedy generation: the same chain
+        assert labels[-1] == -100
+    collator = DataCollatorWithFeatures(cache_layer_ids=LAYERS, layer_ids=[2], hidden_size=32)
+    rows = [dataset[0], dataset[1]]
+    batch = collator(rows)
+    shortest = min(range(2), key=lambda i: len(rows[i]["input_ids"]))
+    n = len(rows[shortest]["input_ids"])
+    assert batch["target_ids"][shortest, :n].tolist() == rows[shortest]["target_ids"]
+    assert (batch["target_ids"][shortest, n:] == -100).all()

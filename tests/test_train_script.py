@@ -210,3 +210,35 @@ def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, 
     expected = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)
     got = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0, assistant_model=drafter)
     assert got.tolist() == expected.tolist()
+
+
+def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
+    """completion_only_loss=False on a cache with target ids anchors blocks in prompts too: more supervised slots
+    per step from the same rows; without target ids it is a clear error, and ReTrace modes refuse it."""
+    from hf_retrace.data.continuous_generation import PromptItem
+    from hf_retrace.data.pool import build_pool, cache_target_ids
+
+    target = build_tiny_target()
+    items = [PromptItem(i, "rand", torch.randint(1, 128, (12,), generator=torch.Generator().manual_seed(i)).tolist())
+             for i in range(4)]  # fmt: skip
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
+               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=6)  # fmt: skip
+    module = _train_module()
+
+    def train(*extra):
+        argv = ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name",
+                str(tmp_path / "features"), "--feature_source", "cached", "--drafter_target_layer_ids", "1",
+                "--training_mode", "dflash", "--max_steps", "2", "--save_strategy", "no", "--num_anchors", "16",
+                "--per_device_train_batch_size", "4", "--logging_steps", "1", "--report_to", "none", *extra]  # fmt: skip
+        trainer = module.main(*module.make_parser().parse_args_and_config(argv))
+        return [log["supervised_slots"] for log in trainer.state.log_history if "supervised_slots" in log]
+
+    with pytest.raises(ValueError, match="target_ids"):
+        train("--completion_only_loss", "false")
+    cache_target_ids(target, tmp_path / "features")
+    completions = train()
+    everything = train("--completion_only_loss", "false")
+    assert len(everything) == len(completions) == 2
+    assert all(e > c for e, c in zip(everything, completions))  # 12-token prompts, 6-token responses
+    with pytest.raises(ValueError, match="completion_only_loss"):
+        train("--completion_only_loss", "false", "--training_mode", "retrace")

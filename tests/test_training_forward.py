@@ -309,3 +309,22 @@ def test_cached_features_replace_the_target(models):
     assert calls == []
     torch.testing.assert_close(cached.loss, online.loss)
     assert cached.metrics["supervised_slots"] > 0
+
+
+def test_block_labels_follow_the_greedy_chain():
+    """With `target_ids`, slot k is labelled by the target's greedy token and supervised only while the text so far
+    is the greedy chain (the slots greedy verification could reach)."""
+    I = IGNORE_INDEX
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
+    greedy = torch.tensor([[11, 20, 13, 14, 21, 16, I]])  # the text follows the target at 1, 3, 4, 6
+    everywhere = torch.ones_like(ids)
+    valid = torch.tensor([[True, True, True]])
+    labels = block_labels(ids, everywhere, torch.tensor([[0, 2, 4]]), valid, B, target_ids=greedy)
+    assert labels.tolist() == [[[I, 11, 20, I], [I, 13, 14, 21], [I, 21, I, I]]]
+    # a greedy response (text == chain): the same labels as without target ids
+    chain = torch.cat([ids[:, 1:], torch.full((1, 1), I)], dim=1)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1]])
+    anchors = torch.tensor([[1, 3, 5]])
+    assert torch.equal(
+        block_labels(ids, loss_mask, anchors, valid, B, target_ids=chain), block_labels(ids, loss_mask, anchors, valid, B)
+    )

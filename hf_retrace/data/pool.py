@@ -26,6 +26,7 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from transformers.utils import logging
 
 from .continuous_generation import ContinuousBatchGenerator, GeneratedRow, PromptItem
+from ..trainer.losses import IGNORE_INDEX
 from ..trainer.target_features import compute_target_features
 
 
@@ -221,6 +222,81 @@ def _prefill_features(target, rows: list[GeneratedRow], layer_ids: list[int]) ->
         row.features[-1] = 0
 
 
+@torch.no_grad()
+def target_greedy_ids(target, input_ids: torch.LongTensor, attention_mask: torch.Tensor, chunk_rows: int = 2048):
+    """The target's greedy next token after every position: `argmax(logits[:, t])`, i.e. what greedy decoding would
+    put at `t + 1` (the lm head runs `chunk_rows` rows at a time, never materialising `[batch, T, V]` logits).
+
+    Args:
+        input_ids, attention_mask (`torch.Tensor` of shape `(batch, T)`): a right-padded batch.
+    Returns:
+        `torch.LongTensor` of shape `(batch, T)`.
+    """
+    hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # post-norm
+    flat = hidden.flatten(0, 1)  # [batch * T, hidden]
+    head = target.get_output_embeddings()
+    ids = torch.cat([head(flat[i : i + chunk_rows]).argmax(-1) for i in range(0, flat.shape[0], chunk_rows)])
+    return ids.view(input_ids.shape)
+
+
+def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[str]:
+    """Adds a `target_ids` column to every feature shard that lacks one; returns the shards it rewrote.
+
+    `target_ids[t]` is the target's greedy token after position `t`, `-100` on the last one. On response positions
+    (`t >= prompt_length - 1`) it is the recorded greedy response itself, `input_ids[t + 1]`; only the prompt is run
+    through the target (causal attention: prompt positions never see the response), so this costs a prefill of the
+    prompts alone. With it the trainer can anchor blocks in prompts too (`completion_only_loss=False`): human text
+    labelled by the target's greedy chain. Resumable per shard (each shard is rewritten atomically).
+    """
+    feature_dir = Path(feature_dir)
+    written = []
+    device = next(target.parameters()).device
+    for path in sorted(p for p in feature_dir.glob("shard_*") if (p / "dataset_info.json").is_file()):
+        dataset = load_from_disk(str(path))
+        if "target_ids" in dataset.column_names:
+            continue
+        rows = [(r["input_ids"], max(int(r["prompt_length"]), 1)) for r in
+                dataset.select_columns(["input_ids", "prompt_length"])]  # fmt: skip
+        prompt_lengths = [p for _, p in rows]
+        labels = [ids[1:] + [IGNORE_INDEX] for ids, _ in rows]  # the recorded chain; prompts overwritten below
+        order = sorted(range(len(rows)), key=lambda i: -prompt_lengths[i])
+        for batch in _index_batches(order, prompt_lengths, batch_tokens):
+            input_ids = torch.zeros(len(batch), prompt_lengths[batch[0]], dtype=torch.long)
+            mask = torch.zeros_like(input_ids)
+            for j, i in enumerate(batch):
+                p = prompt_lengths[i]
+                input_ids[j, :p], mask[j, :p] = torch.tensor(rows[i][0][:p]), 1
+            greedy = target_greedy_ids(target, input_ids.to(device), mask.to(device)).cpu()
+            for j, i in enumerate(batch):
+                p = prompt_lengths[i]
+                labels[i][: p - 1] = greedy[j, : p - 1].tolist()  # position p - 1's greedy token is the response's first
+        _save_with_column(dataset, "target_ids", labels, path)
+        written.append(path.name)
+        logger.warning(f"target ids: {path.name} ({len(rows)} rows, {sum(prompt_lengths)} prompt tokens)")
+    return written
+
+
+def _index_batches(order: list[int], lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
+    """Consecutive slices of `order` (longest first) with at most `batch_tokens` padded tokens each."""
+    batch = []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[batch[0]] > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def _save_with_column(dataset: Dataset, name: str, values: list, path: Path) -> None:
+    dataset = dataset.add_column(name, values, feature=Sequence(Value("int32")))
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
 def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target_name: str | None = None) -> Dataset:
     """The cached features as one memory-mapped `Dataset` (`index`, `input_ids`, `prompt_length`, `features`).
 
@@ -255,7 +331,9 @@ def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target
 __all__ = [
     "build_pool",
     "cache_pool_features",
+    "cache_target_ids",
     "load_feature_dataset",
     "pool_prompt_stream",
     "read_token_shards",
+    "target_greedy_ids",
 ]

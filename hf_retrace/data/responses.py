@@ -339,7 +339,9 @@ class DataCollatorWithFeatures:
         pad_token_id (`int`, *optional*, defaults to 0).
 
     Returns (from `__call__(examples)`): the [`DataCollatorForReTrace`] keys, plus `features`, a bf16 tensor of
-    shape `(batch, seq_len, len(layer_ids) * hidden_size)`, zero on padding.
+    shape `(batch, seq_len, len(layer_ids) * hidden_size)`, zero on padding, and, when the cache has them
+    ([`hf_retrace.data.pool.cache_target_ids`]), `target_ids` `(batch, seq_len)`: the target's greedy token after
+    each position, `-100` on padding.
     """
 
     cache_layer_ids: list[int]
@@ -369,4 +371,9 @@ class DataCollatorWithFeatures:
             loss_mask[row, int(example["prompt_length"]) : n] = 1
             bits = torch.from_numpy(np.ascontiguousarray(example["features"][:n]).astype(np.int16, copy=False))
             features[row, :n] = bits.view(torch.bfloat16)[:, self._columns]  # stored as the bf16 bit pattern
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "features": features}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "features": features}
+        if all("target_ids" in e for e in examples):
+            batch["target_ids"] = torch.full_like(input_ids, -100)
+            for row, (example, n) in enumerate(zip(examples, lengths)):
+                batch["target_ids"][row, :n] = torch.as_tensor(example["target_ids"][:n], dtype=torch.long)
+        return batch

@@ -5,8 +5,9 @@ features (big, rebuildable), resumably. `hf_retrace.data.pool` documents the for
 ```bash
 # the SmolLM2 pool (~1M response tokens, fp32 greedy); rerun the same command to resume
 hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features
-# on a fresh machine with the committed token shards: rebuild only the features
-hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only
+# on a fresh machine with the committed token shards: rebuild only the features (and the target's greedy ids, for
+# training with completion_only_loss=False)
+hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only --target-ids
 ```
 
 Prompt seeds: reasoning-gym sets use seeds `--seed ..` (below `EVAL_SEED_OFFSET`); `stdlib` and `open_ended` use their
@@ -18,7 +19,7 @@ import logging
 
 import torch
 
-from ..data.pool import build_pool, cache_pool_features, pool_prompt_stream
+from ..data.pool import build_pool, cache_pool_features, cache_target_ids, pool_prompt_stream
 from ..data.responses import _prompt_ids
 from .generate_data import load_target, parse_mix, select_prompts
 
@@ -42,6 +43,10 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="first prompt seed of the reasoning-gym sets")
     parser.add_argument("--features-only", action="store_true", help="only compute missing feature shards")
     parser.add_argument("--no-features", action="store_true", help="tokens only (features later, --features-only)")
+    parser.add_argument(
+        "--target-ids", action="store_true",
+        help="then add the target's greedy ids to every feature shard lacking them (for completion_only_loss=False)",
+    )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     return parser
 
@@ -53,7 +58,13 @@ def main(args: argparse.Namespace) -> None:
     layer_ids = [int(i) for i in args.layer_ids.split(",")]
     if args.features_only:
         cache_pool_features(target, args.pool_dir, args.feature_dir, layer_ids=layer_ids, target_name=args.target)
-        return
+    else:
+        _generate(args, target, tokenizer, layer_ids)
+    if args.target_ids:
+        cache_target_ids(target, args.feature_dir)
+
+
+def _generate(args: argparse.Namespace, target, tokenizer, layer_ids: list[int]) -> None:
     sources = {}
     for name, count in parse_mix(args.mix):
         split = "train" if name in FINITE_SETS else None

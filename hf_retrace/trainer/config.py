@@ -59,6 +59,12 @@ class ReTraceConfig(TrainingArguments):
             `online`: a no-grad target forward inside every step (large-scale runs whose features do not fit on
             disk). `cached`: the `features` column of the dataset (`hf_retrace.data.pool`), so the step never runs the
             target (except for ReTrace's `faithful` verification features, which depend on the drafts).
+        completion_only_loss (`bool`, *optional*, defaults to `True`): anchor blocks in responses only (TRL's name).
+            `False` also anchors them in prompts, whose human text is not what the target would say: slot `k` of a
+            block at `p` is then labelled `target_ids[p + k - 1]` (the target's greedy token) and supervised only
+            while the text `x_{p+1..p+k-1}` still follows the target's greedy chain, i.e. exactly the slots greedy
+            verification could reach. Needs `target_ids` in the data (`hf-retrace build-pool --target-ids`);
+            `training_mode="dflash"` only.
 
         > Parameters that control the training
 
@@ -137,6 +143,13 @@ class ReTraceConfig(TrainingArguments):
     feature_source: str = field(
         default="online", metadata={"help": f"Target features: one of {FEATURE_SOURCES} (cached = dataset column)."}
     )
+    completion_only_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Anchor blocks in responses only. False also anchors them in prompts, labelled by the target's "
+            "greedy chain (needs `target_ids` in the data: `hf-retrace build-pool --target-ids`); dflash mode only."
+        },
+    )
     # Parameters that control the training
     training_mode: str = field(default="retrace", metadata={"help": f"One of {TRAINING_MODES}."})
     block_size: int | None = field(default=None, metadata={"help": "Block size B; unset uses the drafter's."})
@@ -203,6 +216,12 @@ class ReTraceConfig(TrainingArguments):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.eal_ce_weight < 0:
             raise ValueError(f"eal_ce_weight must be >= 0, got {self.eal_ce_weight}")
+        if not self.completion_only_loss and self.training_mode != "dflash":
+            raise ValueError(
+                "completion_only_loss=False labels prompt blocks by the target's greedy chain, which the simulated "
+                "ReTrace rounds cannot follow (their second anchor is a prompt token, not the target's correction); "
+                "use training_mode='dflash' or completion_only_loss=True."
+            )
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         super().__post_init__()

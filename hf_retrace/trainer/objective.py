@@ -113,10 +113,17 @@ def sample_anchor_positions(
 
 def block_labels(
     input_ids: torch.LongTensor, loss_mask: torch.Tensor, anchor_positions: torch.LongTensor,
-    block_valid: torch.BoolTensor, block_size: int,
+    block_valid: torch.BoolTensor, block_size: int, target_ids: torch.LongTensor | None = None,
 ) -> torch.LongTensor:  # fmt: skip
     """Labels `[b, N, B]`: slot `k` of the block at `p` is labelled `x_{p+k}`; `-100` for slot 0, positions past the
-    sequence, unsupervised positions (`loss_mask` 0) and invalid blocks."""
+    sequence, unsupervised positions (`loss_mask` 0) and invalid blocks.
+
+    With `target_ids` (`(b, T)`, the target's greedy token after each position, `-100` where unknown) slot `k` is
+    labelled `target_ids[p+k-1]` instead, and kept only while the text follows the greedy chain:
+    `x_{p+i} == target_ids[p+i-1]` for `i = 1..k-1`. Those are exactly the slots that greedy verification can reach
+    from `p`, so human text (a prompt) supervises what the target would say there; on a greedy response the chain
+    always holds and the labels are the response tokens.
+    """
     seq_len = input_ids.shape[1]
     slots = torch.arange(block_size, device=input_ids.device)
     positions = anchor_positions.unsqueeze(-1) + slots  # [b, N, B]
@@ -124,6 +131,15 @@ def block_labels(
     tokens = torch.gather(input_ids, 1, safe).view(positions.shape)
     supervised = torch.gather(loss_mask.bool(), 1, safe).view(positions.shape)
     keep = supervised & (positions < seq_len) & (slots > 0) & block_valid.unsqueeze(-1)
+    if target_ids is not None:
+        # greedy[k] = target_ids[p + k - 1] predicts slot k; slot 0's entry is unused (clamped to position p)
+        previous = (positions - 1).clamp(min=0, max=seq_len - 1).flatten(1)  # [b, N*B]
+        greedy = torch.gather(target_ids, 1, previous).view(positions.shape)
+        follows = (tokens == greedy) | (slots == 0)  # slot k's text is the target's greedy token (slot 0 given)
+        on_chain = torch.cumprod(follows.long(), dim=-1).bool()  # x_{p+1..p+k} all on the chain
+        reachable = torch.cat([on_chain[..., :1], on_chain[..., :-1]], dim=-1)  # slot k needs x_{p+1..p+k-1}
+        keep = keep & reachable & (greedy != IGNORE_INDEX)
+        tokens = greedy
     return torch.where(keep, tokens, torch.full_like(tokens, IGNORE_INDEX))
 
 
@@ -298,12 +314,14 @@ def dflash_training_step(
     drafter: nn.Module, target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
     loss_mask: torch.Tensor, *, num_anchors: int, loss: LossSettings, generator: torch.Generator | None = None,
     features: torch.Tensor | None = None, max_blocks_per_forward: int | None = None,
-    config: ReTraceDrafterConfig | None = None,
+    config: ReTraceDrafterConfig | None = None, target_ids: torch.LongTensor | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
     """The DFlash objective: drafter forwards over `N` sampled blocks per sequence, then the block loss.
 
     Args:
         input_ids, attention_mask, loss_mask (`torch.Tensor` of shape `(batch, T)`): right-padded batch.
+        target_ids (`torch.LongTensor` of shape `(batch, T)`, *optional*): the target's greedy chain labels of
+            [`block_labels`] (for anchors in prompts).
         loss ([`LossSettings`]): draft head, decay weights and loss type.
         features (`torch.Tensor` of shape `(batch, T, K * hidden)`, *optional*): cached target features of the
             drafter's `target_layer_ids`; computed by the target here when unset (online mode).
@@ -313,7 +331,7 @@ def dflash_training_step(
         positions = token_positions(attention_mask, input_ids.shape)
         features = compute_target_features(target, input_ids, config.target_layer_ids, attention_mask, positions)
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, generator)
-    labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size)
+    labels = block_labels(input_ids, loss_mask, anchors, valid, config.block_size, target_ids)
     hidden = draft_blocks(
         drafter, target, input_ids, features, anchors, valid, attention_mask,
         max_blocks_per_forward=max_blocks_per_forward, config=config,

@@ -101,6 +101,9 @@ class ReTraceTrainer(Trainer):
                 "feature_source='cached' but the batch has no `features`: train on a feature cache "
                 "(`hf_retrace.data.pool.load_feature_dataset`, collated by `DataCollatorWithFeatures`)."
             )
+        target_ids = None
+        if not args.completion_only_loss:
+            loss_mask, target_ids = _prompt_and_completion(inputs, attention_mask, length)
         common = dict(
             num_anchors=args.num_anchors, loss=self.loss_settings, generator=generator,
             features=features[:, :length] if args.feature_source == "cached" else None,
@@ -108,7 +111,9 @@ class ReTraceTrainer(Trainer):
             config=self.accelerator.unwrap_model(model).config,  # DDP has no `.config`; PEFT forwards it
         )  # fmt: skip
         if args.training_mode == "dflash":
-            out = dflash_training_step(model, self.target, input_ids, attention_mask, loss_mask, **common)
+            out = dflash_training_step(
+                model, self.target, input_ids, attention_mask, loss_mask, target_ids=target_ids, **common
+            )
         else:
             out = retrace_training_step(
                 model, self.target, input_ids, attention_mask, loss_mask,
@@ -231,6 +236,20 @@ class ReTraceTrainer(Trainer):
         self._micro_step = (self.state.global_step, micro)
         seed = ((self.args.seed * 1_000_003 + self.state.global_step) * 1_009 + micro) * 257 + self.args.process_index
         return torch.Generator().manual_seed(seed % (2**63))
+
+
+def _prompt_and_completion(inputs: dict, attention_mask: torch.Tensor, length: int):
+    """`(loss_mask, target_ids)` of `completion_only_loss=False`: every real token but the first can anchor a block
+    (position 0 has no context to condition on); labels come from the target's greedy chain."""
+    if "target_ids" not in inputs:
+        raise ValueError(
+            "completion_only_loss=False needs the target's greedy ids (`target_ids`) in the batch to label prompt "
+            "blocks; add them to the feature cache with `hf-retrace build-pool --target-ids` (or set "
+            "completion_only_loss=True)."
+        )
+    loss_mask = attention_mask.clone()
+    loss_mask[:, 0] = 0
+    return loss_mask, inputs["target_ids"][:, :length]
 
 
 def _base_drafter(model) -> ReTraceDrafterModel:
