@@ -19,6 +19,12 @@ def _decoder_layers(target: nn.Module) -> nn.ModuleList | None:
     return layers if isinstance(layers, nn.ModuleList) else None
 
 
+def _partitioned_by_zero3(layers: nn.ModuleList) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the layers: its forward hooks push and pop a module stack, which an
+    exception raised mid-forward (the early stop below) would leave unbalanced, so such a forward runs to the end."""
+    return hasattr(next(layers.parameters(), None), "ds_id")
+
+
 @torch.no_grad()
 def compute_target_features(
     target: nn.Module,
@@ -47,8 +53,9 @@ def compute_target_features(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     kwargs.update(cache=cache, use_cache=use_cache)
     layers = _decoder_layers(target)
-    if layers is None or max(layer_ids) >= num_layers - 1:
-        # The last hidden state is post-norm in `hidden_states`; let transformers produce it as inference does.
+    if layers is None or max(layer_ids) >= num_layers - 1 or _partitioned_by_zero3(layers):
+        # The last hidden state is post-norm in `hidden_states`; let transformers produce it as inference does
+        # (and run a ZeRO-3 forward to its end).
         out = decoder(**kwargs, output_hidden_states=[k + 1 for k in layer_ids])
         return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
 

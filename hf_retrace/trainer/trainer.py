@@ -3,6 +3,7 @@
 
 import os
 from collections import defaultdict
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ..models.modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEnco
 from .callbacks import BetaWarmupCallback
 from .config import ReTraceConfig
 from .draft_vocab import TrainingDraftHead
+from .frozen_target import gathered_parameters, prepare_frozen_target
 from .losses import loss_decay_weights
 from .objective import LossSettings, dflash_training_step, retrace_training_step
 
@@ -38,7 +40,8 @@ class ReTraceTrainer(Trainer):
 
     Args:
         model ([`ReTraceDrafterModel`]): the drafter (float32 master weights recommended).
-        target (`PreTrainedModel`): the frozen target (embeddings, lm head and context features).
+        target (`PreTrainedModel`): the frozen target (embeddings, lm head and context features); frozen, put in eval
+            mode and sharded (FSDP, ZeRO-3) or placed on the device by [`prepare_frozen_target`], in place.
         args ([`ReTraceConfig`], *optional*).
         train_dataset (`datasets.Dataset`): rows with `input_ids` and `loss_mask` (1 on response tokens), e.g. from
             `hf_retrace.data.responses.tokenize_conversations`.
@@ -75,13 +78,14 @@ class ReTraceTrainer(Trainer):
             **kwargs,
         )  # fmt: skip
         self.model_accepts_loss_kwargs = False  # the loss is a per-batch mean: let Trainer scale by accumulation
-        self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
+        # Sharded under FSDP / ZeRO-3, placed on the device otherwise; `self.target` stays the unwrapped model whose
+        # parts the objective calls, `_target_engine` the DeepSpeed engine that owns its ZeRO-3 partitions (or None).
+        self.target, self._target_engine = prepare_frozen_target(target, self.accelerator)
         block_size = model.config.block_size
         self.decay_weights = loss_decay_weights(block_size, args.resolved_loss_decay_gamma(block_size))
         self.loss_settings = LossSettings(
-            head=TrainingDraftHead.from_lm_head(self.target.get_output_embeddings(), _draft_vocab_ids(model)),
-            decay_weights=self.decay_weights, loss_type=args.loss_type, eal_ce_weight=args.eal_ce_weight,
-            chunk_rows=args.loss_chunk_rows,
+            head=_draft_head(self.target, _draft_vocab_ids(model)), decay_weights=self.decay_weights,
+            loss_type=args.loss_type, eal_ce_weight=args.eal_ce_weight, chunk_rows=args.loss_chunk_rows,
         )  # fmt: skip
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
@@ -255,6 +259,15 @@ def _prompt_and_completion(inputs: dict, attention_mask: torch.Tensor, length: i
 def _base_drafter(model) -> ReTraceDrafterModel:
     """The drafter under PEFT (`get_base_model`); accelerate's `unwrap_model` has already removed DDP/compile."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _draft_head(target, vocab_ids: torch.Tensor | None) -> TrainingDraftHead:
+    """The frozen lm-head rows of the draft loss. Under ZeRO-3 a tied lm head is partitioned with the embeddings:
+    its rows are gathered and copied once, as the loss reads all of them every step."""
+    lm_head = target.get_output_embeddings()
+    with gathered_parameters(lm_head) as partitioned:
+        head = TrainingDraftHead.from_lm_head(lm_head, vocab_ids)
+        return replace(head, weight=head.weight.clone()) if partitioned else head
 
 
 def _draft_vocab_ids(drafter) -> torch.Tensor | None:
