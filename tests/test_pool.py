@@ -140,3 +140,28 @@ def test_target_ids_are_the_greedy_chain(tmp_path):
     n = len(rows[shortest]["input_ids"])
     assert batch["target_ids"][shortest, :n].tolist() == rows[shortest]["target_ids"]
     assert (batch["target_ids"][shortest, n:] == -100).all()
+
+
+def test_target_ids_leave_the_shared_preamble_unlabelled(tmp_path):
+    """A preamble that every row of a shard shares (a system prompt) gets -100, so prompt blocks anchor after it;
+    a shard labelled before the rule gets it on the next call, without a new prefill."""
+    from hf_retrace.data.pool import _save_with_column
+
+    target = make_target("llama")
+    preamble = [7, 8, 9]
+    items = [PromptItem(i, "rand", preamble + random_prompt(3 + i, seed=i)[0].tolist()) for i in range(4)]
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids={EOS}, layer_ids=LAYERS,
+               target_name="tiny", batch_size=4, max_new_tokens=5)  # fmt: skip
+    cache_target_ids(target, tmp_path / "features")
+    shard = next((tmp_path / "features").glob("shard_*"))
+    labelled = load_feature_dataset(tmp_path / "features")
+    for row in labelled:
+        assert row["target_ids"][:3] == [-100] * 3 and -100 not in row["target_ids"][3:-1]
+    # the same shard as labelled before the rule: the preamble's argmax labels are back
+    with torch.no_grad():
+        unmasked = [target(torch.tensor([r["input_ids"]])).logits[0, :3].argmax(-1).tolist() + r["target_ids"][3:]
+                    for r in labelled]  # fmt: skip
+    _save_with_column(labelled.remove_columns("target_ids"), "target_ids", unmasked, shard)
+    assert cache_target_ids(target, tmp_path / "features") == [shard.name]
+    assert load_feature_dataset(tmp_path / "features")["target_ids"] == labelled["target_ids"]
+    assert cache_target_ids(target, tmp_path / "features") == []

@@ -247,6 +247,10 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
     through the target (causal attention: prompt positions never see the response), so this costs a prefill of the
     prompts alone. With it the trainer can anchor blocks in prompts too (`completion_only_loss=False`): human text
     labelled by the target's greedy chain. Resumable per shard (each shard is rewritten atomically).
+
+    The preamble that every row of a shard shares (the chat template's system prompt, 24 tokens for SmolLM2) gets
+    `-100`: the trainer anchors prompt blocks only where `target_ids` is set, and a block repeated in every row would
+    take ~20% of the prompt anchors to learn one sentence. Shards labelled before this rule get it on the next call.
     """
     feature_dir = Path(feature_dir)
     written = []
@@ -254,6 +258,8 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
     for path in sorted(p for p in feature_dir.glob("shard_*") if (p / "dataset_info.json").is_file()):
         dataset = load_from_disk(str(path))
         if "target_ids" in dataset.column_names:
+            if _mask_shared_preamble(dataset, path):
+                written.append(path.name)
             continue
         rows = [(r["input_ids"], max(int(r["prompt_length"]), 1)) for r in
                 dataset.select_columns(["input_ids", "prompt_length"])]  # fmt: skip
@@ -270,10 +276,38 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
             for j, i in enumerate(batch):
                 p = prompt_lengths[i]
                 labels[i][: p - 1] = greedy[j, : p - 1].tolist()  # position p - 1's greedy token is the response's first
+        shared = _shared_preamble_length(rows)
+        labels = [[IGNORE_INDEX] * shared + row[shared:] for row in labels]
         _save_with_column(dataset, "target_ids", labels, path)
         written.append(path.name)
         logger.warning(f"target ids: {path.name} ({len(rows)} rows, {sum(prompt_lengths)} prompt tokens)")
     return written
+
+
+def _shared_preamble_length(rows: list[tuple[list[int], int]]) -> int:
+    """Length of the prefix shared by every row's prompt (0 for a single row), kept below the shortest prompt."""
+    if len(rows) < 2:
+        return 0
+    prompts = [ids[:prompt_length] for ids, prompt_length in rows]
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
+
+
+def _mask_shared_preamble(dataset: Dataset, path: Path) -> bool:
+    """Applies the shared-preamble rule of [`cache_target_ids`] to a shard labelled without it; False if done."""
+    rows = [(r["input_ids"], max(int(r["prompt_length"]), 1)) for r in
+            dataset.select_columns(["input_ids", "prompt_length"])]  # fmt: skip
+    shared = _shared_preamble_length(rows)
+    labels = dataset["target_ids"]
+    if all(row[t] == IGNORE_INDEX for row in labels for t in range(shared)):
+        return False
+    labels = [[IGNORE_INDEX] * shared + row[shared:] for row in labels]
+    _save_with_column(dataset.remove_columns("target_ids"), "target_ids", labels, path)
+    logger.warning(f"target ids: {path.name}: the {shared}-token preamble shared by every row is now unlabelled")
+    return True
 
 
 def _index_batches(order: list[int], lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:

@@ -17,7 +17,7 @@ from .callbacks import BetaWarmupCallback
 from .config import ReTraceConfig
 from .draft_vocab import TrainingDraftHead
 from .frozen_target import gathered_parameters, prepare_frozen_target
-from .losses import loss_decay_weights
+from .losses import IGNORE_INDEX, loss_decay_weights
 from .objective import LossSettings, dflash_training_step, retrace_training_step
 
 
@@ -243,17 +243,19 @@ class ReTraceTrainer(Trainer):
 
 
 def _prompt_and_completion(inputs: dict, attention_mask: torch.Tensor, length: int):
-    """`(loss_mask, target_ids)` of `completion_only_loss=False`: every real token but the first can anchor a block
-    (position 0 has no context to condition on); labels come from the target's greedy chain."""
+    """`(loss_mask, target_ids)` of `completion_only_loss=False`: every real token with a greedy label can anchor a
+    block (not position 0, which has no context, nor a preamble that the cache left unlabelled); labels come from the
+    target's greedy chain."""
     if "target_ids" not in inputs:
         raise ValueError(
             "completion_only_loss=False needs the target's greedy ids (`target_ids`) in the batch to label prompt "
             "blocks; add them to the feature cache with `hf-retrace build-pool --target-ids` (or set "
             "completion_only_loss=True)."
         )
-    loss_mask = attention_mask.clone()
+    target_ids = inputs["target_ids"][:, :length]
+    loss_mask = attention_mask * (target_ids != IGNORE_INDEX)
     loss_mask[:, 0] = 0
-    return loss_mask, inputs["target_ids"][:, :length]
+    return loss_mask, target_ids
 
 
 def _base_drafter(model) -> ReTraceDrafterModel:
