@@ -254,7 +254,6 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
     """
     feature_dir = Path(feature_dir)
     written = []
-    device = next(target.parameters()).device
     for path in sorted(p for p in feature_dir.glob("shard_*") if (p / "dataset_info.json").is_file()):
         dataset = load_from_disk(str(path))
         if "target_ids" in dataset.column_names:
@@ -272,6 +271,7 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
             for j, i in enumerate(batch):
                 p = prompt_lengths[i]
                 input_ids[j, :p], mask[j, :p] = torch.tensor(rows[i][0][:p]), 1
+            device = next(target.parameters()).device
             greedy = target_greedy_ids(target, input_ids.to(device), mask.to(device)).cpu()
             for j, i in enumerate(batch):
                 p = prompt_lengths[i]
