@@ -237,7 +237,7 @@ FSDP_RANKS = textwrap.dedent(
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 
-    def run(rank, world, port):
+    def run(rank, world, port, done):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from hf_retrace.trainer.frozen_target import prepare_frozen_target
@@ -270,12 +270,13 @@ FSDP_RANKS = textwrap.dedent(
                     assert torch.equal(got, compute_target_features(reference, ids, layer_ids)), (version, layer_ids)
             assert torch.equal(embed_tokens(target, ids), embed_tokens(reference, ids))
             assert torch.equal(_draft_head(target, None).weight, reference.lm_head.weight)
-            print(f"rank {rank} fsdp{version} ok", flush=True)
+            # One file per rank and version: two ranks printing to one pipe can interleave their lines.
+            open(os.path.join(done, f"rank {rank} fsdp{version} ok"), "w").close()
         dist.destroy_process_group()
 
 
     if __name__ == "__main__":
-        mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+        mp.spawn(run, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
     """
 )
 
@@ -289,11 +290,13 @@ def test_fsdp_shards_the_decoder_layers_on_two_cpu_ranks(tmp_path):
     script = tmp_path / "fsdp_ranks.py"
     script.write_text(FSDP_RANKS)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = tmp_path / "done"
+    done.mkdir()
     out = subprocess.run(
-        [sys.executable, str(script), str(port)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(port), str(done)], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+    assert sorted(path.name for path in done.iterdir()) == [
         "rank 0 fsdp1 ok", "rank 0 fsdp2 ok", "rank 1 fsdp1 ok", "rank 1 fsdp2 ok",
     ]  # fmt: skip
 
