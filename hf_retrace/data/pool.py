@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import takewhile
 from pathlib import Path
 
@@ -186,7 +186,8 @@ def cache_pool_features(
         if (feature_dir / shard / "dataset_info.json").is_file():
             continue
         generated = [GeneratedRow(r["index"], r["source"], r["prompt_ids"], r["response_ids"], r["finished"]) for r in rows]
-        for batch in _length_batches(generated, batch_tokens):
+        row_length = lambda r: len(r.prompt_ids) + len(r.response_ids)  # noqa: E731
+        for batch in _length_batches(generated, row_length, batch_tokens):
             _prefill_features(target, batch, layer_ids)
         _write_feature_shard(feature_dir / shard, generated)
         written.append(shard)
@@ -194,15 +195,15 @@ def cache_pool_features(
     return written
 
 
-def _length_batches(rows: list[GeneratedRow], batch_tokens: int) -> Iterator[list[GeneratedRow]]:
-    ordered = sorted(rows, key=lambda r: -(len(r.prompt_ids) + len(r.response_ids)))
+def _length_batches(items: list, length: Callable[[object], int], batch_tokens: int) -> Iterator[list]:
+    """`items` longest first, cut into consecutive batches of at most `batch_tokens` padded tokens each (a batch is
+    as wide as its first, longest item; an item longer than `batch_tokens` gets a batch of its own)."""
     batch = []
-    for row in ordered:
-        width = len(batch[0].prompt_ids) + len(batch[0].response_ids) if batch else 0
-        if batch and (len(batch) + 1) * width > batch_tokens:
+    for item in sorted(items, key=lambda x: -length(x)):
+        if batch and (len(batch) + 1) * length(batch[0]) > batch_tokens:
             yield batch
             batch = []
-        batch.append(row)
+        batch.append(item)
     if batch:
         yield batch
 
@@ -264,8 +265,7 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
                 dataset.select_columns(["input_ids", "prompt_length"])]  # fmt: skip
         prompt_lengths = [p for _, p in rows]
         labels = [ids[1:] + [IGNORE_INDEX] for ids, _ in rows]  # the recorded chain; prompts overwritten below
-        order = sorted(range(len(rows)), key=lambda i: -prompt_lengths[i])
-        for batch in _index_batches(order, prompt_lengths, batch_tokens):
+        for batch in _length_batches(range(len(rows)), prompt_lengths.__getitem__, batch_tokens):
             input_ids = torch.zeros(len(batch), prompt_lengths[batch[0]], dtype=torch.long)
             mask = torch.zeros_like(input_ids)
             for j, i in enumerate(batch):
@@ -308,18 +308,6 @@ def _mask_shared_preamble(dataset: Dataset, path: Path) -> bool:
     _save_with_column(dataset.remove_columns("target_ids"), "target_ids", labels, path)
     logger.warning(f"target ids: {path.name}: the {shared}-token preamble shared by every row is now unlabelled")
     return True
-
-
-def _index_batches(order: list[int], lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
-    """Consecutive slices of `order` (longest first) with at most `batch_tokens` padded tokens each."""
-    batch = []
-    for i in order:
-        if batch and (len(batch) + 1) * lengths[batch[0]] > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 def _save_with_column(dataset: Dataset, name: str, values: list, path: Path) -> None:
