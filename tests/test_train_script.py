@@ -242,3 +242,36 @@ def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
     assert all(e > c for e, c in zip(everything, completions))  # 12-token prompts, 6-token responses
     with pytest.raises(ValueError, match="completion_only_loss"):
         train("--completion_only_loss", "false", "--training_mode", "retrace")
+
+
+def test_held_out_rows_are_evaluated(tmp_path):
+    """--eval_num_rows holds out the newest rows of a feature cache: the trainer never trains on them and reports
+    their acceptance at every evaluation; an impossible count is a clear error."""
+    from hf_retrace.data.continuous_generation import PromptItem
+    from hf_retrace.data.pool import build_pool
+
+    target = build_tiny_target()
+    items = [PromptItem(i, "rand", torch.randint(1, 128, (6,), generator=torch.Generator().manual_seed(i)).tolist())
+             for i in range(8)]  # fmt: skip
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
+               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=8)  # fmt: skip
+    module = _train_module()
+
+    def parse(*extra):
+        return module.make_parser().parse_args_and_config(
+            ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "features"),
+             "--feature_source", "cached", "--drafter_target_layer_ids", "1", "--training_mode", "dflash",
+             "--max_steps", "2", "--save_strategy", "no", "--num_anchors", "4", "--per_device_train_batch_size", "2",
+             "--report_to", "none", *extra]
+        )  # fmt: skip
+
+    trainer = module.main(*parse("--eval_num_rows", "3", "--eval_strategy", "steps", "--eval_steps", "1",
+                                 "--eval_on_start", "true"))  # fmt: skip
+    indices = lambda d: sorted(int(i) for i in d["index"])  # noqa: E731
+    assert len(trainer.train_dataset) == 5 and len(trainer.eval_dataset) == 3
+    assert not set(indices(trainer.train_dataset)) & set(indices(trainer.eval_dataset))
+    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert [log["step"] for log in evals] == [0, 1, 2]
+    assert all(0 <= log["eval_acceptance"] <= 15 for log in evals)
+    with pytest.raises(ValueError, match="eval_num_rows=8"):
+        module.main(*parse("--eval_num_rows", "8"))

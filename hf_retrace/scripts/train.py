@@ -29,6 +29,13 @@ class ReTraceScriptArguments(ScriptArguments):
     synthetic_num_examples: int = field(default=64, metadata={"help": "Rows of the `synthetic` dataset."})
     synthetic_prompt_length: int = field(default=8, metadata={"help": "Prompt tokens per `synthetic` row."})
     synthetic_response_length: int = field(default=24, metadata={"help": "Target tokens per `synthetic` row."})
+    eval_num_rows: int = field(
+        default=0,
+        metadata={
+            "help": "Hold out the last N rows (a pool's newest shards) as the eval split; evaluated every `eval_steps` "
+            "with `--eval_strategy steps` (`eval_acceptance` is the held-out acceptance)."
+        },
+    )
 
 
 def load_training_dataset(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, target, tokenizer):
@@ -62,6 +69,17 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     from ..data.responses import tokenize_conversations
 
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
+
+
+def split_eval_rows(dataset, num_rows: int):
+    """(train, eval): the last `num_rows` rows held out (`eval` is `None` for 0). The last rows, not a random sample,
+    so that a pool grown after a drafter was trained gives it rows it never saw."""
+    if num_rows == 0:
+        return dataset, None
+    if not 0 < num_rows < len(dataset):
+        raise ValueError(f"eval_num_rows={num_rows} must be in [0, {len(dataset)}) for a dataset of {len(dataset)} rows.")
+    cut = len(dataset) - num_rows
+    return dataset.select(range(cut)), dataset.select(range(cut, len(dataset)))
 
 
 def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
@@ -132,11 +150,14 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
         training_args.target_model_name_or_path, training_args.target_dtype, training_args.target_model_init_kwargs
     )
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
-    dataset = load_training_dataset(script_args, training_args, target, tokenizer)
+    dataset, eval_dataset = split_eval_rows(
+        load_training_dataset(script_args, training_args, target, tokenizer), script_args.eval_num_rows
+    )
     if training_args.drafter_draft_vocab_size is not None:
         set_draft_vocab_from_dataset(drafter, dataset, training_args.drafter_draft_vocab_size)
     trainer = ReTraceTrainer(
-        model=drafter, target=target, args=training_args, train_dataset=dataset, peft_config=lora_config(model_args),
+        model=drafter, target=target, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
+        peft_config=lora_config(model_args),
         data_collator=feature_collator(dataset, drafter, training_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
