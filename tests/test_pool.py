@@ -165,3 +165,20 @@ def test_target_ids_leave_the_shared_preamble_unlabelled(tmp_path):
     assert cache_target_ids(target, tmp_path / "features") == [shard.name]
     assert load_feature_dataset(tmp_path / "features")["target_ids"] == labelled["target_ids"]
     assert cache_target_ids(target, tmp_path / "features") == []
+
+
+def test_a_pool_grown_after_target_ids_loads_without_them(tmp_path):
+    """Shards generated after `cache_target_ids` ran have no target ids: the cache still loads (responses-only
+    training needs none) without the column, and the next `cache_target_ids` labels only the new shards."""
+    target = make_target("llama")
+    kwargs = dict(eos_token_ids={EOS}, layer_ids=LAYERS, target_name="tiny", batch_size=3, max_new_tokens=6,
+                  shard_rows=3)  # fmt: skip
+    build_pool(target, _items(3), tmp_path / "pool", tmp_path / "features", **kwargs)
+    cache_target_ids(target, tmp_path / "features")
+    build_pool(target, _items(6), tmp_path / "pool", tmp_path / "features", **kwargs)
+    grown = load_feature_dataset(tmp_path / "features")
+    assert len(grown) == 6 and "target_ids" not in grown.column_names
+    batch = DataCollatorWithFeatures(cache_layer_ids=LAYERS, layer_ids=[2], hidden_size=32)([grown[0], grown[5]])
+    assert "target_ids" not in batch and batch["features"].shape[0] == 2
+    assert len(cache_target_ids(target, tmp_path / "features")) == 1
+    assert len(load_feature_dataset(tmp_path / "features")["target_ids"]) == 6
