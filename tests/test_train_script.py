@@ -248,7 +248,7 @@ def test_held_out_rows_are_evaluated(tmp_path):
     """--eval_num_rows holds out the newest rows of a feature cache: the trainer never trains on them and reports
     their acceptance at every evaluation; an impossible count is a clear error."""
     from hf_retrace.data.continuous_generation import PromptItem
-    from hf_retrace.data.pool import build_pool
+    from hf_retrace.data.pool import build_pool, load_feature_dataset
 
     target = build_tiny_target()
     items = [PromptItem(i, "rand", torch.randint(1, 128, (6,), generator=torch.Generator().manual_seed(i)).tolist())
@@ -275,3 +275,10 @@ def test_held_out_rows_are_evaluated(tmp_path):
     assert all(0 <= log["eval_acceptance"] <= 15 for log in evals)
     with pytest.raises(ValueError, match="eval_num_rows=8"):
         module.main(*parse("--eval_num_rows", "8"))
+    # continuing on the rows a pool gained: rows 2..4 train, 5..7 evaluate
+    trainer = module.main(*parse("--dataset_start_row", "2", "--eval_num_rows", "3"))
+    rows = [int(i) for i in load_feature_dataset(tmp_path / "features")["index"]]
+    assert [int(i) for i in trainer.train_dataset["index"]] == rows[2:5]
+    assert [int(i) for i in trainer.eval_dataset["index"]] == rows[5:]
+    with pytest.raises(ValueError, match="dataset_start_row=5"):
+        module.main(*parse("--dataset_start_row", "5", "--eval_num_rows", "3"))

@@ -36,6 +36,13 @@ class ReTraceScriptArguments(ScriptArguments):
             "with `--eval_strategy steps` (`eval_acceptance` is the held-out acceptance)."
         },
     )
+    dataset_start_row: int = field(
+        default=0,
+        metadata={
+            "help": "Train on rows from this one on: continuing a drafter on the rows its pool gained since it was "
+            "trained (a pool's rows are in generation order)."
+        },
+    )
 
 
 def load_training_dataset(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, target, tokenizer):
@@ -71,15 +78,17 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
 
-def split_eval_rows(dataset, num_rows: int):
-    """(train, eval): the last `num_rows` rows held out (`eval` is `None` for 0). The last rows, not a random sample,
-    so that a pool grown after a drafter was trained gives it rows it never saw."""
-    if num_rows == 0:
-        return dataset, None
-    if not 0 < num_rows < len(dataset):
-        raise ValueError(f"eval_num_rows={num_rows} must be in [0, {len(dataset)}) for a dataset of {len(dataset)} rows.")
-    cut = len(dataset) - num_rows
-    return dataset.select(range(cut)), dataset.select(range(cut, len(dataset)))
+def split_rows(dataset, start_row: int = 0, eval_num_rows: int = 0):
+    """(train, eval): rows `[start_row, n - eval_num_rows)` and the last `eval_num_rows` (`None` for 0). The last
+    rows, not a random sample, so that a pool grown after a drafter was trained gives it rows it never saw."""
+    n = len(dataset)
+    if not 0 <= eval_num_rows < n:
+        raise ValueError(f"eval_num_rows={eval_num_rows} must be in [0, {n}) for a dataset of {n} rows.")
+    cut = n - eval_num_rows
+    if not 0 <= start_row < cut:
+        raise ValueError(f"dataset_start_row={start_row} leaves no training row: {n} rows, {eval_num_rows} held out.")
+    train = dataset if (start_row, cut) == (0, n) else dataset.select(range(start_row, cut))
+    return train, (dataset.select(range(cut, n)) if eval_num_rows else None)
 
 
 def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
@@ -150,8 +159,9 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
         training_args.target_model_name_or_path, training_args.target_dtype, training_args.target_model_init_kwargs
     )
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
-    dataset, eval_dataset = split_eval_rows(
-        load_training_dataset(script_args, training_args, target, tokenizer), script_args.eval_num_rows
+    dataset, eval_dataset = split_rows(
+        load_training_dataset(script_args, training_args, target, tokenizer), script_args.dataset_start_row,
+        script_args.eval_num_rows,
     )
     if training_args.drafter_draft_vocab_size is not None:
         set_draft_vocab_from_dataset(drafter, dataset, training_args.drafter_draft_vocab_size)
