@@ -28,6 +28,20 @@ def _train_module():
     return module
 
 
+def _tiny_pool(tmp_path, prompt_lengths: list[int], max_new_tokens: int):
+    """A feature cache at `tmp_path / "features"` of the tiny target's greedy answers to random prompts (one per
+    entry of `prompt_lengths`); returns (target, items)."""
+    from hf_retrace.data.continuous_generation import PromptItem
+    from hf_retrace.data.pool import build_pool
+
+    target = build_tiny_target()
+    items = [PromptItem(i, "rand", torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(i)).tolist())
+             for i, n in enumerate(prompt_lengths)]  # fmt: skip
+    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
+               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=max_new_tokens)  # fmt: skip
+    return target, items
+
+
 @pytest.mark.parametrize("recipe", sorted((ROOT / "training" / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_parses(recipe, tmp_path):
     script_args, training_args, _ = (
@@ -166,14 +180,7 @@ def test_two_cpu_processes_ddp(tmp_path):
 def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, mode):
     """train.py on a feature cache (the target's decoder never runs in a step), with a reduced draft vocabulary
     chosen from the responses; the saved drafter keeps its vocabulary and decodes losslessly."""
-    from hf_retrace.data.continuous_generation import PromptItem
-    from hf_retrace.data.pool import build_pool
-
-    target = build_tiny_target()
-    items = [PromptItem(i, "rand", torch.randint(1, 128, (4 + i % 5,), generator=torch.Generator().manual_seed(i))
-                        .tolist()) for i in range(12)]  # fmt: skip
-    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
-               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=20)  # fmt: skip
+    target, items = _tiny_pool(tmp_path, [4 + i % 5 for i in range(12)], max_new_tokens=20)
     module = _train_module()
     script_args, training_args, model_args = module.make_parser().parse_args_and_config(
         ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "features"),
@@ -215,14 +222,9 @@ def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, 
 def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
     """completion_only_loss=False on a cache with target ids anchors blocks in prompts too: more supervised slots
     per step from the same rows; without target ids it is a clear error, and ReTrace modes refuse it."""
-    from hf_retrace.data.continuous_generation import PromptItem
-    from hf_retrace.data.pool import build_pool, cache_target_ids
+    from hf_retrace.data.pool import cache_target_ids
 
-    target = build_tiny_target()
-    items = [PromptItem(i, "rand", torch.randint(1, 128, (12,), generator=torch.Generator().manual_seed(i)).tolist())
-             for i in range(4)]  # fmt: skip
-    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
-               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=6)  # fmt: skip
+    target, _ = _tiny_pool(tmp_path, [12] * 4, max_new_tokens=6)
     module = _train_module()
 
     def train(*extra):
@@ -247,14 +249,9 @@ def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
 def test_held_out_rows_are_evaluated(tmp_path):
     """--eval_num_rows holds out the newest rows of a feature cache: the trainer never trains on them and reports
     their acceptance at every evaluation; an impossible count is a clear error."""
-    from hf_retrace.data.continuous_generation import PromptItem
-    from hf_retrace.data.pool import build_pool, load_feature_dataset
+    from hf_retrace.data.pool import load_feature_dataset
 
-    target = build_tiny_target()
-    items = [PromptItem(i, "rand", torch.randint(1, 128, (6,), generator=torch.Generator().manual_seed(i)).tolist())
-             for i in range(8)]  # fmt: skip
-    build_pool(target, items, tmp_path / "pool", tmp_path / "features", eos_token_ids=set(), layer_ids=[0, 1, 2],
-               target_name="tiny-random-qwen3", batch_size=4, max_new_tokens=8)  # fmt: skip
+    _tiny_pool(tmp_path, [6] * 8, max_new_tokens=8)
     module = _train_module()
 
     def parse(*extra):
