@@ -5,13 +5,16 @@ Each drafter is scored by the trainer's own evaluation (the training objective u
 every drafter and split): `acceptance` is the mean number of greedily accepted drafts per block against the labels,
 `loss` the decayed block loss. A split is `NAME=START:END`, a row range of the cache in shard order, so rows added to
 a pool after a drafter was trained are held out from it. A large seen/held-out gap means the drafter is limited by
-data, not by steps.
+data, not by steps. `--vocab` scores each drafter with other draft vocabularies (the ids only pick rows of the
+target's frozen head, so no retraining): `saved`, `full`, or `K` re-ranked on the responses of `--rank-rows`.
 
 Usage (the shipped drafter saw shards 0-11 of the SmolLM2 pool, 1,664 rows; shard 13 came later):
 
 ```bash
 python benchmarks/heldout_acceptance.py --drafter shipped=model_cards/smollm2-135m-dflash \
     --split seen=0:128 --split heldout=1792:1920
+python benchmarks/heldout_acceptance.py --drafter shipped=model_cards/smollm2-135m-dflash --split heldout=2944:3072 \
+    --vocab saved --vocab 16384 --vocab full --rank-rows 0:2944
 ```
 """
 
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", action="append", required=True, help="NAME=START:END rows (repeatable)")
     parser.add_argument("--config", default="training/recipes/smollm2-135m-dflash-grown.yaml",
                         help="recipe giving the target, feature cache, anchors and loss")  # fmt: skip
+    parser.add_argument("--vocab", action="append", default=None, help="saved | full | K (repeatable)")
+    parser.add_argument("--rank-rows", default=None, help="START:END rows whose responses rank a `--vocab K`")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.num_threads:
@@ -48,18 +53,39 @@ def main(argv: list[str] | None = None) -> None:
         if not (name and 0 <= int(start) < int(end) <= len(dataset)):
             parser.error(f"--split {spec!r}: expected NAME=START:END within the cache's {len(dataset)} rows")
         splits[name] = dataset.select(range(int(start), int(end)))
-    print(f"{'drafter':<14}{'split':<10}{'rows':>6}{'acceptance':>12}{'loss':>9}")
+    vocab_size = target.config.vocab_size
+    vocabs = {v: _vocabulary(v, dataset, args.rank_rows, vocab_size, parser) for v in args.vocab or ["saved"]}
+    print(f"{'drafter':<14}{'vocab':<8}{'split':<10}{'rows':>6}{'acceptance':>12}{'loss':>9}{'oov':>8}")
     for spec in args.drafter:
         name, _, folder = spec.partition("=")
         training_args.drafter_name_or_path = folder
-        drafter = init_drafter(training_args, target)
-        trainer = ReTraceTrainer(
-            model=drafter, target=target, args=training_args, train_dataset=dataset,
-            data_collator=feature_collator(dataset, drafter, training_args),
-        )  # fmt: skip
-        for split, rows in splits.items():
-            metrics = trainer.evaluate(eval_dataset=rows)
-            print(f"{name:<14}{split:<10}{len(rows):>6}{metrics['eval_acceptance']:>12.3f}{metrics['eval_loss']:>9.3f}")
+        for vocab, ids in vocabs.items():
+            drafter = init_drafter(training_args, target)
+            if vocab != "saved":
+                drafter.set_draft_vocab(ids)
+            trainer = ReTraceTrainer(
+                model=drafter, target=target, args=training_args, train_dataset=dataset,
+                data_collator=feature_collator(dataset, drafter, training_args),
+            )  # fmt: skip
+            for split, rows in splits.items():
+                m = trainer.evaluate(eval_dataset=rows)
+                print(f"{name:<14}{vocab:<8}{split:<10}{len(rows):>6}{m['eval_acceptance']:>12.3f}"
+                      f"{m['eval_loss']:>9.3f}{m.get('eval_out_of_vocab', 0.0):>8.3f}")  # fmt: skip
+
+
+def _vocabulary(spec: str, dataset, rank_rows: str | None, vocab_size: int, parser) -> list[int] | None:
+    """Token ids of a `--vocab` setting (`None` for `full` and `saved`)."""
+    if spec in ("saved", "full"):
+        return None
+    if not spec.isdigit() or rank_rows is None:
+        parser.error(f"--vocab {spec!r}: expected saved, full or a size K (with --rank-rows START:END)")
+    from hf_retrace.scripts.train import split_token_ids
+    from hf_retrace.trainer.draft_vocab import most_frequent_tokens
+
+    start, _, end = rank_rows.partition(":")
+    rows = dataset.select(range(int(start), int(end))).select_columns(["input_ids", "prompt_length"])
+    responses, prompts = split_token_ids(rows)
+    return most_frequent_tokens(responses, int(spec), prompts=prompts, vocab_size=vocab_size)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,17 @@ def test_draft_vocabulary_is_saved_and_loaded(tmp_path):
     assert loaded.config.draft_vocab_size == 3 and loaded.draft_vocab_ids.tolist() == [3, 9, 70]
     full = ReTraceDrafterModel.from_target(target, num_hidden_layers=1)
     assert full.draft_vocab_ids is None and full.config.draft_vocab_size is None
+    # the ids only pick rows of the target's head: a trained drafter's vocabulary can be swapped, or dropped
+    loaded.set_draft_vocab([5, 9])
+    assert loaded.draft_vocab_ids.tolist() == [5, 9] and "draft_vocab_ids" in loaded.state_dict()
+    loaded.set_draft_vocab(None)
+    loaded.save_pretrained(tmp_path / "full")
+    reloaded = ReTraceDrafterModel.from_pretrained(tmp_path / "full")
+    assert reloaded.draft_vocab_ids is None and reloaded.config.draft_vocab_size is None
+    assert "draft_vocab_ids" not in reloaded.state_dict()
+    prompt = random_prompt(5, seed=0)
+    expected = _greedy(target, prompt, max_new_tokens=12)
+    assert _greedy(target, prompt, max_new_tokens=12, assistant_model=reloaded).tolist() == expected.tolist()
 
 
 def test_bad_draft_vocabularies_are_rejected():

@@ -256,8 +256,9 @@ def test_held_out_rows_are_evaluated(tmp_path):
 
     def parse(*extra):
         return module.make_parser().parse_args_and_config(
-            ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "features"),
-             "--feature_source", "cached", "--drafter_target_layer_ids", "1", "--training_mode", "dflash",
+            ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name",
+             str(tmp_path / "features"), "--feature_source", "cached", "--drafter_target_layer_ids", "1",
+             "--training_mode", "dflash",
              "--max_steps", "2", "--save_strategy", "no", "--num_anchors", "4", "--per_device_train_batch_size", "2",
              "--report_to", "none", *extra]
         )  # fmt: skip
@@ -279,3 +280,26 @@ def test_held_out_rows_are_evaluated(tmp_path):
     assert [int(i) for i in trainer.eval_dataset["index"]] == rows[5:]
     with pytest.raises(ValueError, match="dataset_start_row=5"):
         module.main(*parse("--dataset_start_row", "5", "--eval_num_rows", "3"))
+
+
+def test_a_continued_drafter_keeps_or_reranks_its_vocabulary(tmp_path):
+    """drafter_draft_vocab_size on a loaded drafter: the same size keeps its ids (resuming), another size re-ranks
+    them on the training rows (the ids only pick rows of the target's head), and the weights carry over."""
+    _tiny_pool(tmp_path, [4 + i % 5 for i in range(8)], max_new_tokens=12)
+    module = _train_module()
+
+    def train(output, *extra):
+        argv = ["--config", str(TINY), "--output_dir", str(tmp_path / output), "--dataset_name",
+                str(tmp_path / "features"), "--feature_source", "cached", "--training_mode", "dflash",
+                "--max_steps", "1", "--save_strategy", "no", "--num_anchors", "4", "--report_to", "none", *extra]
+        module.main(*module.make_parser().parse_args_and_config(argv))  # fmt: skip
+        return ReTraceDrafterModel.from_pretrained(tmp_path / output)
+
+    first = train("first", "--drafter_target_layer_ids", "1", "--drafter_draft_vocab_size", "24")
+    kept = train("kept", "--drafter_name_or_path", str(tmp_path / "first"), "--drafter_draft_vocab_size", "24",
+                 "--learning_rate", "0")  # fmt: skip
+    assert kept.draft_vocab_ids.tolist() == first.draft_vocab_ids.tolist()
+    assert torch.equal(kept.fc.weight, first.fc.weight)
+    larger = train("larger", "--drafter_name_or_path", str(tmp_path / "first"), "--drafter_draft_vocab_size", "40")
+    assert larger.config.draft_vocab_size == 40
+    assert set(first.draft_vocab_ids.tolist()) < set(larger.draft_vocab_ids.tolist())

@@ -349,8 +349,8 @@ def load_feature_dataset(feature_dir, layer_ids: list[int] | None = None, target
     labelled = sum("target_ids" in d.column_names for d in datasets)
     if 0 < labelled < len(datasets):  # a pool grown after `--target-ids` ran: keep the columns every shard has
         logger.warning(
-            f"{len(datasets) - labelled} of {len(datasets)} feature shards in {feature_dir} have no target_ids, so the "
-            "column is dropped (prompt blocks, completion_only_loss=False, need it): add them with "
+            f"{len(datasets) - labelled} of {len(datasets)} feature shards in {feature_dir} have no target_ids, so "
+            "the column is dropped (prompt blocks, completion_only_loss=False, need it): add them with "
             "`hf-retrace build-pool --features-only --target-ids`."
         )
         datasets = [d.remove_columns("target_ids") if "target_ids" in d.column_names else d for d in datasets]

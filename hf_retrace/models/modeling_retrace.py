@@ -179,7 +179,15 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
 
     def set_draft_vocab(self, token_ids) -> None:
         """Sets the reduced draft vocabulary: `token_ids` (`K` distinct target ids, e.g. the most frequent tokens of
-        the training responses), stored sorted in the `draft_vocab_ids` buffer; `config.draft_vocab_size = K`."""
+        the training responses), stored sorted in the `draft_vocab_ids` buffer; `config.draft_vocab_size = K`.
+        `None` goes back to the full vocabulary. The ids only select rows of the target's frozen lm head, so a trained
+        drafter's vocabulary can be re-ranked or enlarged for new data without retraining."""
+        if token_ids is None:
+            if isinstance(self.draft_vocab_ids, torch.Tensor):
+                del self._buffers["draft_vocab_ids"]
+                self.draft_vocab_ids = None
+            self.config.draft_vocab_size = None
+            return
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
         if len(ids) != len(token_ids) or len(ids) == 0:
             raise ValueError(f"draft vocabulary ids must be distinct and non-empty, got {len(token_ids)} ids")

@@ -32,8 +32,8 @@ class ReTraceScriptArguments(ScriptArguments):
     eval_num_rows: int = field(
         default=0,
         metadata={
-            "help": "Hold out the last N rows (a pool's newest shards) as the eval split; evaluated every `eval_steps` "
-            "with `--eval_strategy steps` (`eval_acceptance` is the held-out acceptance)."
+            "help": "Hold out the last N rows (a pool's newest shards) as the eval split; evaluated every "
+            "`eval_steps` with `--eval_strategy steps` (`eval_acceptance` is the held-out acceptance)."
         },
     )
     dataset_start_row: int = field(
@@ -105,22 +105,21 @@ def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
-    """Gives a full-vocabulary drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
-    [`most_frequent_tokens`])."""
+    """Gives the drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
+    [`most_frequent_tokens`]); a drafter whose vocabulary already has that size keeps it (resuming)."""
     from ..trainer.draft_vocab import coverage, most_frequent_tokens
 
-    if drafter.draft_vocab_ids is not None:
-        if drafter.config.draft_vocab_size == size:
-            return  # e.g. resuming from a checkpoint of this run
-        raise ValueError(
-            f"drafter_draft_vocab_size={size}, but the loaded drafter already has a draft vocabulary of "
-            f"{drafter.config.draft_vocab_size} tokens; drop drafter_draft_vocab_size to keep it."
-        )
+    if drafter.draft_vocab_ids is not None and drafter.config.draft_vocab_size == size:
+        return
     columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
     responses, prompts = split_token_ids(columns)
+    before = ""
+    if drafter.draft_vocab_ids is not None:
+        old = coverage(responses, drafter.draft_vocab_ids.tolist())
+        before = f" (the loaded drafter's {drafter.config.draft_vocab_size}: {old:.2%})"
     ids = most_frequent_tokens(responses, size, prompts=prompts, vocab_size=drafter.config.vocab_size)
     drafter.set_draft_vocab(ids)
-    print(f"draft vocabulary: {size} tokens cover {coverage(responses, ids):.2%} of the responses")
+    print(f"draft vocabulary: {size} tokens cover {coverage(responses, ids):.2%} of the responses{before}")
 
 
 def feature_collator(dataset, drafter, training_args: ReTraceConfig):

@@ -48,8 +48,9 @@ class ReTraceConfig(TrainingArguments):
         drafter_draft_vocab_size (`int`, *optional*): give the drafter a reduced draft vocabulary of this many
             tokens, the most frequent of the training responses (`ReTraceDrafterConfig.draft_vocab_size`). A fresh
             drafter, or a loaded full-vocabulary one (its weights do not depend on the vocabulary: the head is the
-            target's); a loaded drafter that already has a draft vocabulary keeps it, and asking for another is an
-            error.
+            target's). A loaded drafter whose vocabulary has this size keeps it (e.g. resuming a run); one of another
+            size is re-ranked on the training rows (the ids only pick rows of the target's frozen head, so a drafter
+            continued on a grown pool can take a larger vocabulary without losing what it learned).
 
         > Parameters that control the data
 
