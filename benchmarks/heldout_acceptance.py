@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank-rows", default=None, help="START:END rows whose responses rank a `--vocab K`")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
+    if not all(name and folder for name, _, folder in (spec.partition("=") for spec in args.drafter)):
+        parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
@@ -49,10 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     splits = {}
     for spec in args.split:
         name, _, rows = spec.partition("=")
-        start, _, end = rows.partition(":")
-        if not (name and 0 <= int(start) < int(end) <= len(dataset)):
-            parser.error(f"--split {spec!r}: expected NAME=START:END within the cache's {len(dataset)} rows")
-        splits[name] = dataset.select(range(int(start), int(end)))
+        if not name:
+            parser.error(f"--split {spec!r}: expected NAME=START:END")
+        splits[name] = dataset.select(_row_range(rows, len(dataset), parser))
     vocab_size = target.config.vocab_size
     vocabs = {v: _vocabulary(v, dataset, args.rank_rows, vocab_size, parser) for v in args.vocab or ["saved"]}
     print(f"{'drafter':<14}{'vocab':<8}{'split':<10}{'rows':>6}{'acceptance':>12}{'loss':>9}{'oov':>8}")
@@ -79,13 +80,17 @@ def _vocabulary(spec: str, dataset, rank_rows: str | None, vocab_size: int, pars
         return None
     if not spec.isdigit() or rank_rows is None:
         parser.error(f"--vocab {spec!r}: expected saved, full or a size K (with --rank-rows START:END)")
-    from hf_retrace.scripts.train import split_token_ids
-    from hf_retrace.trainer.draft_vocab import most_frequent_tokens
+    from hf_retrace.scripts.train import rank_draft_vocab
 
-    start, _, end = rank_rows.partition(":")
-    rows = dataset.select(range(int(start), int(end))).select_columns(["input_ids", "prompt_length"])
-    responses, prompts = split_token_ids(rows)
-    return most_frequent_tokens(responses, int(spec), prompts=prompts, vocab_size=vocab_size)
+    return rank_draft_vocab(dataset.select(_row_range(rank_rows, len(dataset), parser)), int(spec), vocab_size)[0]
+
+
+def _row_range(text: str, num_rows: int, parser) -> range:
+    """`START:END` -> `range(START, END)` within the cache's rows, or an argparse error."""
+    start, _, end = text.partition(":")
+    if not (start.isdigit() and end.isdigit() and int(start) < int(end) <= num_rows):
+        parser.error(f"{text!r}: expected START:END rows within the cache's {num_rows} rows")
+    return range(int(start), int(end))
 
 
 if __name__ == "__main__":

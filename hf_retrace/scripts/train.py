@@ -104,20 +104,28 @@ def split_token_ids(dataset) -> tuple[list[list[int]], list[list[int]]]:
     return [r for r, _ in rows], [p for _, p in rows]
 
 
+def rank_draft_vocab(dataset, size: int, vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """(ids, responses): the `size` most frequent tokens of the rows (see [`most_frequent_tokens`]) and the rows'
+    responses they were ranked on."""
+    from ..trainer.draft_vocab import most_frequent_tokens
+
+    columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
+    responses, prompts = split_token_ids(columns)
+    return most_frequent_tokens(responses, size, prompts=prompts, vocab_size=vocab_size), responses
+
+
 def set_draft_vocab_from_dataset(drafter, dataset, size: int) -> None:
-    """Gives the drafter a reduced draft vocabulary of `size` tokens ranked on the training rows (see
-    [`most_frequent_tokens`]); a drafter whose vocabulary already has that size keeps it (resuming)."""
-    from ..trainer.draft_vocab import coverage, most_frequent_tokens
+    """Gives the drafter a reduced draft vocabulary of `size` tokens ranked on the training rows
+    ([`rank_draft_vocab`]); a drafter whose vocabulary already has that size keeps it (resuming)."""
+    from ..trainer.draft_vocab import coverage
 
     if drafter.draft_vocab_ids is not None and drafter.config.draft_vocab_size == size:
         return
-    columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
-    responses, prompts = split_token_ids(columns)
+    ids, responses = rank_draft_vocab(dataset, size, drafter.config.vocab_size)
     before = ""
     if drafter.draft_vocab_ids is not None:
         old = coverage(responses, drafter.draft_vocab_ids.tolist())
         before = f" (the loaded drafter's {drafter.config.draft_vocab_size}: {old:.2%})"
-    ids = most_frequent_tokens(responses, size, prompts=prompts, vocab_size=drafter.config.vocab_size)
     drafter.set_draft_vocab(ids)
     print(f"draft vocabulary: {size} tokens cover {coverage(responses, ids):.2%} of the responses{before}")
 
