@@ -70,3 +70,43 @@ def test_errors(target, tmp_path):
     deep = ReTraceDrafterModel.from_target(target, num_hidden_layers=5, target_layer_ids=[1], block_size=4)
     with pytest.raises(ValueError, match="at least as many decoder layers"):
         init_drafter_from_target(deep, target)
+
+
+def test_grown_drafter_drafts_exactly_what_the_trained_one_did(tmp_path):
+    """Depth growth is function-preserving through save/load and the inference path (context cache, per-layer
+    index): the grown drafter's acceptance lengths equal the original's on every prompt, output stays the target's,
+    and the new layers still receive gradient."""
+    from conftest import make_drafter, make_target, random_prompt
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off")
+    drafter.save_pretrained(tmp_path / "trained")
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", drafter_name_or_path=str(tmp_path / "trained"))
+    grown = init_drafter(ReTraceConfig(**common, drafter_grow_layers=2), target)
+    assert grown.config.num_hidden_layers == 3 and len(grown.config.layer_types) == 3
+    assert [layer.self_attn.layer_idx for layer in grown.layers] == [0, 1, 2]
+    torch.testing.assert_close(grown.layers[2].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
+    grown.save_pretrained(tmp_path / "grown")
+    reloaded = ReTraceDrafterModel.from_pretrained(tmp_path / "grown", dtype=torch.float32).eval()
+    for i in range(6):
+        prompt = random_prompt(3 + i, seed=i)
+        runs = []
+        for model in (drafter, reloaded):
+            out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=model)
+            runs.append((out.tolist(), model.last_generation_stats.acceptance_lengths))
+        assert runs[0] == runs[1], f"prompt {i}: the grown drafter drafts differently"
+        assert runs[0][0] == target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24).tolist()
+    # zero output projections, yet gradient reaches them (d loss / d o_proj = the attention output)
+    noise = torch.randn(1, 4, grown.config.hidden_size)
+    context = torch.randn(1, 5, len(grown.config.target_layer_ids) * grown.config.hidden_size)
+    grown.train()
+    grown(noise, context).last_hidden_state.square().sum().backward()
+    assert grown.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert grown.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_grow_errors(tmp_path):
+    with pytest.raises(ValueError, match="no drafter_name_or_path is set"):
+        ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_grow_layers=2)
+    with pytest.raises(ValueError, match="drafter_grow_layers must be >= 0"):
+        ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_name_or_path="x", drafter_grow_layers=-1)

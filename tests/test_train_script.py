@@ -280,6 +280,12 @@ def test_held_out_rows_are_evaluated(tmp_path):
     assert [int(i) for i in trainer.eval_dataset["index"]] == rows[5:]
     with pytest.raises(ValueError, match="dataset_start_row=5"):
         module.main(*parse("--dataset_start_row", "5", "--eval_num_rows", "3"))
+    # a pool still growing: rows from dataset_end_row on are ignored, the eval split is the last rows before it
+    trainer = module.main(*parse("--dataset_start_row", "1", "--eval_num_rows", "2", "--dataset_end_row", "6"))
+    assert [int(i) for i in trainer.train_dataset["index"]] == rows[1:4]
+    assert [int(i) for i in trainer.eval_dataset["index"]] == rows[4:6]
+    with pytest.raises(ValueError, match="dataset_end_row=9"):
+        module.main(*parse("--dataset_end_row", "9"))
 
 
 def test_a_continued_drafter_keeps_or_reranks_its_vocabulary(tmp_path):

@@ -43,6 +43,13 @@ class ReTraceScriptArguments(ScriptArguments):
             "trained (a pool's rows are in generation order)."
         },
     )
+    dataset_end_row: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ignore rows from this one on (unset: all), so runs compared side by side see the same rows while "
+            "the pool keeps growing; the eval split is the last `eval_num_rows` rows before it."
+        },
+    )
 
 
 def load_training_dataset(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, target, tokenizer):
@@ -78,10 +85,13 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
     return tokenize_conversations(dataset, tokenizer, training_args.max_length)
 
 
-def split_rows(dataset, start_row: int = 0, eval_num_rows: int = 0):
-    """(train, eval): rows `[start_row, n - eval_num_rows)` and the last `eval_num_rows` (`None` for 0). The last
-    rows, not a random sample, so that a pool grown after a drafter was trained gives it rows it never saw."""
-    n = len(dataset)
+def split_rows(dataset, start_row: int = 0, eval_num_rows: int = 0, end_row: int | None = None):
+    """(train, eval): rows `[start_row, n - eval_num_rows)` and the last `eval_num_rows` (`None` for 0) of the first
+    `n = end_row` rows (all by default). The last rows, not a random sample, so that a pool grown after a drafter was
+    trained gives it rows it never saw."""
+    if end_row is not None and not 0 < end_row <= len(dataset):
+        raise ValueError(f"dataset_end_row={end_row} must be in [1, {len(dataset)}] for a dataset of {len(dataset)} rows.")
+    n = len(dataset) if end_row is None else end_row
     if not 0 <= eval_num_rows < n:
         raise ValueError(f"eval_num_rows={eval_num_rows} must be in [0, {n}) for a dataset of {n} rows.")
     cut = n - eval_num_rows
@@ -168,7 +178,7 @@ def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, mode
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
     dataset, eval_dataset = split_rows(
         load_training_dataset(script_args, training_args, target, tokenizer), script_args.dataset_start_row,
-        script_args.eval_num_rows,
+        script_args.eval_num_rows, script_args.dataset_end_row,
     )
     if training_args.drafter_draft_vocab_size is not None:
         set_draft_vocab_from_dataset(drafter, dataset, training_args.drafter_draft_vocab_size)

@@ -42,6 +42,9 @@ class ReTraceConfig(TrainingArguments):
         drafter_name_or_path (`str`, *optional*): drafter to start from (ReTrace folder or z-lab DFlash checkpoint).
             Unset: a fresh drafter sized from the target (`drafter_num_layers`, ...).
         drafter_num_layers (`int`, *optional*, defaults to `1`): layers of a fresh drafter.
+        drafter_grow_layers (`int`, *optional*, defaults to `0`): layers appended to the loaded drafter
+            ([`grow_drafter_depth`]: copies of its last layer with zeroed output projections, so the grown drafter
+            starts as the trained one). A resumed run grows the same drafter again, then loads the checkpoint.
         drafter_target_layer_ids (`list[int]`, *optional*): target layers of a fresh drafter (DFlash rule if unset).
         drafter_mask_token_id (`int`, *optional*): mask token of a fresh drafter (last vocabulary id if unset).
         retrace_mode (`str`, *optional*): `off`, `overwrite`, `gated` or `corrected`; unset keeps the drafter's.
@@ -118,6 +121,11 @@ class ReTraceConfig(TrainingArguments):
         default=None, metadata={"help": "Drafter to start from (ReTrace folder or DFlash checkpoint); unset = fresh."}
     )
     drafter_num_layers: int = field(default=1, metadata={"help": "Decoder layers of a fresh drafter."})
+    drafter_grow_layers: int = field(
+        default=0,
+        metadata={"help": "Function-preserving layers appended to a loaded drafter (copies of its last layer with "
+                  "zeroed output projections), to train a deeper drafter from a trained one."},
+    )
     drafter_target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers read by a fresh drafter (DFlash rule if unset)."}
     )
@@ -210,6 +218,13 @@ class ReTraceConfig(TrainingArguments):
             raise ValueError(
                 "drafter_init and drafter_anchor_broadcast configure a FRESH drafter, but drafter_name_or_path="
                 f"{self.drafter_name_or_path!r} loads one; drop them (the loaded config decides) or drop the path."
+            )
+        if self.drafter_grow_layers < 0:
+            raise ValueError(f"drafter_grow_layers must be >= 0, got {self.drafter_grow_layers}")
+        if self.drafter_grow_layers and self.drafter_name_or_path is None:
+            raise ValueError(
+                f"drafter_grow_layers={self.drafter_grow_layers} deepens a trained drafter, but no "
+                "drafter_name_or_path is set; size a fresh drafter with drafter_num_layers instead."
             )
         for name in ("loss_chunk_rows", "max_blocks_per_forward", "drafter_draft_vocab_size"):
             value = getattr(self, name)

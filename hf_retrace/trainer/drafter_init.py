@@ -10,7 +10,13 @@ compute budget, starting from the target's own top of stack converges much faste
 - `norm` <- the target's final norm, so logits start at the target's own scale;
 - `fc` <- a selector of the deepest target layer read (identity on its slice, zero on the others), so the drafter's
   context starts as that layer's (normalised) hidden states, the nearest thing to the target's final state.
+
+A trained drafter can also be made deeper without losing what it learned ([`grow_drafter_depth`]): each new layer
+is a copy of its last one with both residual-branch output projections zeroed, so it adds exactly zero to the
+residual stream and the grown drafter computes the same function until training moves it.
 """
+
+import copy
 
 import torch
 from torch import nn
@@ -55,4 +61,36 @@ def init_drafter_from_target(drafter: nn.Module, target: nn.Module) -> list[str]
     return copied
 
 
-__all__ = ["init_drafter_from_target"]
+@torch.no_grad()
+def grow_drafter_depth(drafter: nn.Module, num_new_layers: int) -> list[str]:
+    """Appends `num_new_layers` function-preserving decoder layers to a trained `drafter`, in place.
+
+    A new layer is a copy of the last one (its attention and MLP start from weights that already read this residual
+    stream) with `self_attn.o_proj` and `mlp.down_proj` zeroed: both residual branches then add exactly 0, so logits
+    are unchanged at step 0. Gradients still reach the new layer: `d loss / d o_proj` is the attention output, which
+    is not zero, and once `o_proj` moves the rest of the layer receives gradient too (LoRA's `B = 0` trick).
+
+    Args:
+        drafter ([`ReTraceDrafterModel`]): a loaded drafter; `config.num_hidden_layers` and `config.layer_types`
+            are updated, so `save_pretrained` writes the grown shape.
+        num_new_layers (`int`): layers to append (>= 1).
+    Returns:
+        `list[str]`: names of the new layers' parameters.
+    """
+    if num_new_layers < 1:
+        raise ValueError(f"num_new_layers must be >= 1, got {num_new_layers}")
+    config, first = drafter.config, len(drafter.layers)
+    for index in range(first, first + num_new_layers):
+        layer = copy.deepcopy(drafter.layers[-1])
+        layer.self_attn.layer_idx = index  # the drafter's context cache is indexed by layer
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            projection.weight.zero_()
+            if projection.bias is not None:
+                projection.bias.zero_()
+        drafter.layers.append(layer)
+    config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * num_new_layers
+    config.num_hidden_layers = len(drafter.layers)
+    return [f"layers.{i}.{name}" for i in range(first, config.num_hidden_layers) for name, _ in drafter.layers[i].named_parameters()]
+
+
+__all__ = ["grow_drafter_depth", "init_drafter_from_target"]

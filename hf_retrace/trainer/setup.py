@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from .drafter_init import init_drafter_from_target
+from .drafter_init import grow_drafter_depth, init_drafter_from_target
 from ..models.modeling_retrace import ReTraceDrafterModel
 from .config import ReTraceConfig
 
@@ -61,11 +61,14 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
     `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size` when set:
     B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned at B = 8;
     it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13 (session 5 bench).
+    `args.drafter_grow_layers` then deepens a loaded drafter without changing its outputs ([`grow_drafter_depth`]).
     """
     path = args.drafter_name_or_path or model_name_or_path
     if path is not None:
         overrides = {"block_size": args.block_size} if args.block_size is not None else {}
         drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32, **overrides)
+        if args.drafter_grow_layers:
+            grow_drafter_depth(drafter, args.drafter_grow_layers)
     else:
         overrides = dict(num_hidden_layers=args.drafter_num_layers, block_size=args.block_size or 16)
         if args.drafter_anchor_broadcast:
