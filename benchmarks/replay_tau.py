@@ -1,0 +1,105 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+"""The bench's greedy DFlash tau, replayed offline: one target forward per prompt instead of a decoding loop.
+
+The target's greedy continuations are generated once (and kept in `--continuations`, a JSON file, for the next run);
+then each drafter is scored by [`hf_retrace.bench.replay`]: the acceptance at every anchor, and the cycles greedy
+decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace bench` reports it; `anchor_mean` is
+`1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
+results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
+`--max-new-tokens` and `--draft-logits-dtype`).
+
+Usage (the bench prompts of sessions 5-7; ~1 min per drafter on 2 threads once the continuations exist):
+
+```bash
+python benchmarks/replay_tau.py --drafter shipped=model_cards/smollm2-135m-dflash \
+    --prompt-sets gsm_symbolic:8,humaneval:8,open_ended:8 --continuations runs/replay/continuations.json \
+    --check-bench results/drafter/bench-grown-pool/results.json
+```
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER (repeatable)")
+    parser.add_argument("--prompt-sets", default="gsm_symbolic:8,humaneval:8,open_ended:8")
+    parser.add_argument("--prompt-seed", type=int, default=10000, help="as `hf-retrace bench` (evaluation seeds)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--draft-logits-dtype", default="float32", help="as `hf-retrace bench` ('none' keeps each)")
+    parser.add_argument("--continuations", default=None, help="JSON cache of the target's greedy continuations")
+    parser.add_argument("--check-bench", default=None, help="a bench results.json of the same prompts to compare with")
+    parser.add_argument("--num-threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    drafters = [spec.partition("=") for spec in args.drafter]
+    if not all(name and folder for name, _, folder in drafters):
+        parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
+    from hf_retrace import ReTraceDrafterModel
+    from hf_retrace.bench.run import encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label
+
+    target, tokenizer = load_target("default", torch.float32, "cpu")
+    prompts = [(prompt_set_label(name), ids) for name, count in parse_prompt_sets(args.prompt_sets)
+               for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
+    sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
+    bench = _bench_cycles(args.check_bench) if args.check_bench else {}
+    print(f"{'drafter':<14}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'bench_match':>13}")
+    for name, _, folder in drafters:
+        drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
+        if args.draft_logits_dtype != "none":
+            drafter.config.draft_logits_dtype = args.draft_logits_dtype
+        _report(name, drafter, target, prompts, sequences, bench.get(name))
+
+
+def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> list[torch.LongTensor]:
+    """Prompt + the target's greedy continuation per prompt, from `path` when it holds these prompts."""
+    cached = json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+    key = json.dumps([ids[0].tolist() for _, ids in prompts] + [max_new_tokens])
+    if cached.get("key") == key:
+        return [torch.tensor([s]) for s in cached["sequences"]]
+    sequences = []
+    for i, (_, ids) in enumerate(prompts):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+        sequences.append(out)
+        print(f"continuation {i + 1}/{len(prompts)}: {out.shape[1] - ids.shape[1]} tokens", flush=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"key": key, "sequences": [s[0].tolist() for s in sequences]}))
+    return sequences
+
+
+def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
+    """`{method: [acceptance_lengths per prompt, in the bench's prompt order]}` of a bench results.json."""
+    generations = json.loads(Path(path).read_text())["generations"]
+    by_method: dict[str, list[tuple]] = {}
+    for g in generations:
+        by_method.setdefault(g["method"], []).append((g["prompt_set"], g["prompt_index"], g["acceptance_lengths"]))
+    order = {}
+    for g in generations:
+        order.setdefault(g["prompt_set"], len(order))
+    return {m: [c for _, _, c in sorted(rows, key=lambda r: (order[r[0]], r[1]))] for m, rows in by_method.items()}
+
+
+def _report(name, drafter, target, prompts, sequences, bench_cycles) -> None:
+    from hf_retrace.bench.replay import ReplayResult, anchor_acceptance
+
+    per_set: dict[str, ReplayResult] = {}
+    pooled, matches = ReplayResult(), 0
+    for i, ((label, ids), sequence) in enumerate(zip(prompts, sequences)):
+        acceptance = anchor_acceptance(target, drafter, sequence, ids.shape[1])
+        per_set.setdefault(label, ReplayResult()).add(acceptance)
+        pooled.add(acceptance)
+        matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
+    for label, result in [*per_set.items(), ("pooled", pooled)]:
+        match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
+        print(f"{name:<14}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}{match:>13}")
+
+
+if __name__ == "__main__":
+    main()

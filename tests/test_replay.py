@@ -1,0 +1,40 @@
+"""The offline replay of greedy DFlash cycles (`hf_retrace.bench.replay`) reproduces what generation does, cycle for
+cycle, so drafters can be scored on the bench's prompts without the decoding loop."""
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target, random_prompt
+from hf_retrace.bench.replay import ReplayResult, anchor_acceptance, replay_cycles
+
+
+@pytest.mark.parametrize("anchor_broadcast, vocab", [(False, None), (True, [5, 6, 7, 9, 11])])
+def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off", anchor_broadcast=anchor_broadcast)
+    if vocab is not None:
+        drafter.set_draft_vocab(vocab)
+    replay, generated, lengths_seen = ReplayResult(), [], set()
+    for i in range(16):
+        prompt = random_prompt(3 + i % 5, seed=i)
+        out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=17 + i, assistant_model=drafter)
+        generated.append(drafter.last_generation_stats.acceptance_lengths)
+        replay.add(anchor_acceptance(target, drafter, out, prompt.shape[1]))
+        assert replay.cycles[-1] == generated[-1], f"prompt {i}"
+        lengths_seen.update(generated[-1])
+        if i >= 3 and lengths_seen == {1, 2, 3, 4}:
+            break
+    assert lengths_seen == {1, 2, 3, 4}  # every acceptance length occurred, so the walk was really exercised
+    assert replay.tau == pytest.approx(sum(map(sum, generated)) / sum(map(len, generated)))
+
+
+def test_the_walk_weights_cycles_not_anchors():
+    # an easy stretch (a = 3) crossed in one cycle, then hard anchors (a = 0) one token at a time
+    acceptance = [3, 3, 3, 3, 0, 0, 0, 0, 0]
+    assert replay_cycles(acceptance) == [4, 1, 1, 1, 1]  # + the prefill token and one plain step = 10 tokens
+    result = ReplayResult()
+    result.add(acceptance)
+    assert result.tau == pytest.approx(8 / 5)
+    assert result.anchor_mean == pytest.approx(1 + 12 / 9)
+    assert replay_cycles([5, 5, 5]) == [3]  # the last cycle ends on the last token: its bonus, not a draft
+    assert replay_cycles([0, 0, 2]) == [1, 1]  # one token left: a plain target step, not a drafted cycle
