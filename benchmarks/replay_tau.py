@@ -6,7 +6,9 @@ then each drafter is scored by [`hf_retrace.bench.replay`]: the acceptance at ev
 decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace bench` reports it; `anchor_mean` is
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
-`--max-new-tokens` and `--draft-logits-dtype`).
+`--max-new-tokens` and `--draft-logits-dtype`). `--pool-rows START:END` replays rows of the token pool instead (the
+target's greedy responses, up to 256 tokens, in generation order): rows newer than a drafter's training data are a
+larger held-out set than the bench's prompts, with nothing to generate.
 
 Usage (the bench prompts of sessions 5-7; ~1 min per drafter on 2 threads once the continuations exist):
 
@@ -32,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-logits-dtype", default="float32", help="as `hf-retrace bench` ('none' keeps each)")
     parser.add_argument("--continuations", default=None, help="JSON cache of the target's greedy continuations")
+    parser.add_argument("--pool-rows", default=None, help="START:END rows of --pool-dir instead of --prompt-sets")
+    parser.add_argument("--pool-dir", default="data/smollm2-pool")
     parser.add_argument("--check-bench", default=None, help="a bench results.json of the same prompts to compare with")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
@@ -45,9 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     from hf_retrace.bench.run import encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label
 
     target, tokenizer = load_target("default", torch.float32, "cpu")
-    prompts = [(prompt_set_label(name), ids) for name, count in parse_prompt_sets(args.prompt_sets)
-               for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
-    sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
+    if args.pool_rows:
+        prompts, sequences = _pool_rows(args.pool_dir, args.pool_rows, parser)
+    else:
+        prompts = [(prompt_set_label(name), ids) for name, count in parse_prompt_sets(args.prompt_sets)
+                   for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
+        sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
     print(f"{'drafter':<14}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'bench_match':>13}")
     for name, _, folder in drafters:
@@ -72,6 +79,19 @@ def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> li
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"key": key, "sequences": [s[0].tolist() for s in sequences]}))
     return sequences
+
+
+def _pool_rows(pool_dir: str, rows: str, parser) -> tuple[list, list[torch.LongTensor]]:
+    """(`[(source, prompt ids [1, P])]`, `[prompt + response [1, T]]`) of pool rows `START:END`."""
+    from hf_retrace.data.pool import read_token_shards
+
+    pool = read_token_shards(pool_dir)
+    start, _, end = rows.partition(":")
+    if not (start.isdigit() and end.isdigit() and int(start) < int(end) <= len(pool)):
+        parser.error(f"--pool-rows {rows!r}: expected START:END within the pool's {len(pool)} rows")
+    selected = pool[int(start) : int(end)]
+    prompts = [(row["source"], torch.tensor([row["prompt_ids"]])) for row in selected]
+    return prompts, [torch.tensor([row["prompt_ids"] + row["response_ids"]]) for row in selected]
 
 
 def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
