@@ -37,8 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool-rows", default=None, help="START:END rows of --pool-dir instead of --prompt-sets")
     parser.add_argument("--pool-dir", default="data/smollm2-pool")
     parser.add_argument("--check-bench", default=None, help="a bench results.json of the same prompts to compare with")
+    parser.add_argument(
+        "--num-assistant-tokens", default="",
+        help="comma-separated k: also replay cycles that verify only the first k drafts of each block",
+    )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
+    caps = [None] + [int(k) for k in args.num_assistant_tokens.split(",") if k]
     drafters = [spec.partition("=") for spec in args.drafter]
     if not all(name and folder for name, _, folder in drafters):
         parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
@@ -56,12 +61,12 @@ def main(argv: list[str] | None = None) -> None:
                    for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
         sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
-    print(f"{'drafter':<14}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'bench_match':>13}")
+    print(f"{'drafter':<18}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'bench_match':>13}")
     for name, _, folder in drafters:
         drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
         if args.draft_logits_dtype != "none":
             drafter.config.draft_logits_dtype = args.draft_logits_dtype
-        _report(name, drafter, target, prompts, sequences, bench.get(name))
+        _report(name, drafter, target, prompts, sequences, bench.get(name), caps)
 
 
 def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> list[torch.LongTensor]:
@@ -106,19 +111,21 @@ def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
     return {m: [c for _, _, c in sorted(rows, key=lambda r: (order[r[0]], r[1]))] for m, rows in by_method.items()}
 
 
-def _report(name, drafter, target, prompts, sequences, bench_cycles) -> None:
+def _report(name, drafter, target, prompts, sequences, bench_cycles, caps) -> None:
     from hf_retrace.bench.replay import ReplayResult, anchor_acceptance
 
-    per_set: dict[str, ReplayResult] = {}
-    pooled, matches = ReplayResult(), 0
-    for i, ((label, ids), sequence) in enumerate(zip(prompts, sequences)):
-        acceptance = anchor_acceptance(target, drafter, sequence, ids.shape[1])
-        per_set.setdefault(label, ReplayResult()).add(acceptance)
-        pooled.add(acceptance)
-        matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
-    for label, result in [*per_set.items(), ("pooled", pooled)]:
-        match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
-        print(f"{name:<14}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}{match:>13}")
+    acceptances = [anchor_acceptance(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
+    for cap in caps:  # the acceptance does not depend on the cap: one target forward per prompt serves all
+        per_set: dict[str, ReplayResult] = {}
+        pooled, matches = ReplayResult(num_assistant_tokens=cap), 0
+        for i, ((label, _), acceptance) in enumerate(zip(prompts, acceptances)):
+            per_set.setdefault(label, ReplayResult(num_assistant_tokens=cap)).add(acceptance)
+            pooled.add(acceptance)
+            matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
+        arm = name if cap is None else f"{name} k={cap}"
+        for label, result in [*per_set.items(), ("pooled", pooled)]:
+            match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
+            print(f"{arm:<18}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}{match:>13}")
 
 
 if __name__ == "__main__":

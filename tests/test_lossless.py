@@ -42,6 +42,37 @@ def test_greedy_is_lossless(arch, mode, anchor_broadcast):
     assert (conditioned > 0) == (mode != "off"), f"{arch}/{mode}: {conditioned} conditioned rounds"
 
 
+@pytest.mark.parametrize("mode", ["off", "corrected"])
+def test_verifying_only_the_first_k_drafts_is_lossless(mode):
+    """`num_assistant_tokens = k < B-1`: each cycle verifies `k+1` tokens, output is still the target's, and ReTrace
+    keeps only the rejected slots that have verification features (`L = k-1-n` instead of `B-2-n`)."""
+    block, k = 6, 3
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=block, mode=mode)
+    drafter.config.num_assistant_tokens = k
+    widths = []
+    hook = target.register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    acceptance = set()
+    for i, (length, max_new) in enumerate(CASES):
+        prompt = random_prompt(length, seed=i)
+        expected = _greedy(target, prompt, max_new_tokens=max_new)
+        widths.clear()
+        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"{mode}: speculative output differs on case {i}"
+        stats = drafter.last_generation_stats
+        assert widths[1:].count(k + 1) == len(stats.acceptance_lengths)  # every drafted cycle verified k+1 tokens
+        assert max(widths[1:], default=1) <= k + 1
+        retained = [max(k - committed, 0) if mode != "off" else 0 for committed in stats.acceptance_lengths]
+        assert stats.retained_lengths == retained
+        acceptance.update(stats.acceptance_lengths)
+        if i >= 2 and len(acceptance) == k + 1:
+            break
+    hook.remove()
+    assert acceptance == set(range(1, k + 2)), f"{mode}: acceptance lengths seen {sorted(acceptance)}"
+
+
 def _prompt_with_mid_block_eos(target, eos):
     """A prompt whose target greedy text reaches `eos` after a few tokens, at a position inside a block."""
     for seed in range(200):

@@ -26,6 +26,8 @@ def test_default_target_layer_ids_follow_the_dflash_rule():
         ({"mask_token_id": 10**7}, "mask_token_id"),
         ({"target_layer_ids": [1, 40], "num_target_layers": 36}, "target_layer_ids"),
         ({"retrace_gate_init": 0.0}, "retrace_gate_init"),
+        ({"block_size": 4, "num_assistant_tokens": 4}, "num_assistant_tokens"),
+        ({"num_assistant_tokens": 0}, "num_assistant_tokens"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types"),
         ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}, "sliding_window"),
@@ -186,6 +188,12 @@ def test_batch_size_above_one_is_a_clear_error(tiny_target, tiny_drafter):
     prompts = torch.cat([random_prompt(4, 0), random_prompt(4, 1)])
     with pytest.raises(ValueError, match="batch size 1 only"):
         tiny_target.generate(prompts, max_new_tokens=5, assistant_model=tiny_drafter)
+
+
+def test_num_assistant_tokens_set_after_loading_is_checked_at_generate(tiny_target, tiny_drafter):
+    tiny_drafter.config.num_assistant_tokens = tiny_drafter.config.block_size  # one more than there are drafts
+    with pytest.raises(ValueError, match=r"num_assistant_tokens must be in \[1, block_size - 1 = "):
+        tiny_target.generate(random_prompt(4, 0), max_new_tokens=5, assistant_model=tiny_drafter)
 
 
 _FRESH_PROCESS = textwrap.dedent(

@@ -8,13 +8,19 @@ from conftest import make_drafter, make_target, random_prompt
 from hf_retrace.bench.replay import ReplayResult, anchor_acceptance, replay_cycles
 
 
-@pytest.mark.parametrize("anchor_broadcast, vocab", [(False, None), (True, [5, 6, 7, 9, 11])])
-def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab):
+@pytest.mark.parametrize(
+    "anchor_broadcast, vocab, num_assistant_tokens",
+    [(False, None, None), (True, [5, 6, 7, 9, 11], None), (False, None, 2)],
+)
+def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_assistant_tokens):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off", anchor_broadcast=anchor_broadcast)
     if vocab is not None:
         drafter.set_draft_vocab(vocab)
-    replay, generated, lengths_seen = ReplayResult(), [], set()
+    # k < B-1: generation verifies the first k drafts of each full block, which the replay caps acceptance at
+    drafter.config.num_assistant_tokens = num_assistant_tokens
+    replay, generated, lengths_seen = ReplayResult(num_assistant_tokens=num_assistant_tokens), [], set()
+    expected_lengths = set(range(1, (num_assistant_tokens or 3) + 2))
     for i in range(16):
         prompt = random_prompt(3 + i % 5, seed=i)
         out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=17 + i, assistant_model=drafter)
@@ -22,9 +28,9 @@ def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab):
         replay.add(anchor_acceptance(target, drafter, out, prompt.shape[1]))
         assert replay.cycles[-1] == generated[-1], f"prompt {i}"
         lengths_seen.update(generated[-1])
-        if i >= 3 and lengths_seen == {1, 2, 3, 4}:
+        if i >= 3 and lengths_seen == expected_lengths:
             break
-    assert lengths_seen == {1, 2, 3, 4}  # every acceptance length occurred, so the walk was really exercised
+    assert lengths_seen == expected_lengths  # every acceptance length occurred, so the walk was really exercised
     assert replay.tau == pytest.approx(sum(map(sum, generated)) / sum(map(len, generated)))
 
 
@@ -38,3 +44,4 @@ def test_the_walk_weights_cycles_not_anchors():
     assert result.anchor_mean == pytest.approx(1 + 12 / 9)
     assert replay_cycles([5, 5, 5]) == [3]  # the last cycle ends on the last token: its bonus, not a draft
     assert replay_cycles([0, 0, 2]) == [1, 1]  # one token left: a plain target step, not a drafted cycle
+    assert replay_cycles(acceptance, num_assistant_tokens=1) == [2, 2, 1, 1, 1, 1]  # a capped at k = 1

@@ -34,15 +34,19 @@ def _tv(p, q):
 
 
 @pytest.mark.parametrize(
-    "draft_logits_dtype, draft_vocab",
-    [(None, None), ("bfloat16", None), (None, [0, 2, 3, 5, 6])],  # q from the head, its bf16 copy, 5 of 8 tokens
+    "draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens",
+    # q from the head, its bf16 copy, 5 of 8 tokens; then B = 4 verifying only its first 2 drafts
+    [(None, None, 3, None), ("bfloat16", None, 3, None), (None, [0, 2, 3, 5, 6], 3, None), (None, None, 4, 2)],
 )
-def test_speculative_sampling_keeps_target_distribution(monkeypatch, draft_logits_dtype, draft_vocab):
+def test_speculative_sampling_keeps_target_distribution(
+    monkeypatch, draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens
+):
     target = make_target("qwen3", restricted=False, vocab_size=VOCAB, seed=4)
     with torch.no_grad():  # peaked distributions, so target and drafter clearly differ
         target.get_output_embeddings().weight.mul_(8.0)
-    drafter = make_drafter(target, block_size=3, mode="corrected")
+    drafter = make_drafter(target, block_size=block_size, mode="corrected")
     drafter.config.draft_logits_dtype = draft_logits_dtype
+    drafter.config.num_assistant_tokens = num_assistant_tokens
     if draft_vocab is not None:
         drafter.set_draft_vocab(draft_vocab)
     exact = _exact_marginals(target)
@@ -80,8 +84,9 @@ def test_speculative_sampling_keeps_target_distribution(monkeypatch, draft_logit
     # which is farther from the target's than the 0.07 tolerance (0.19 for the full-vocabulary drafter).
     assert _tv(draft_freq, exact[0]) > 0.12
     assert accepted > SAMPLES // 10  # and drafts really were accepted, so the acceptance rule was exercised
-    # B = 3 and 4 new tokens: a first cycle that rejects at slot 1 retains one slot (L = B-2-n = 1), so the next
-    # cycle runs conditioned; its drafts are then part of what the marginals of tokens 3 and 4 check.
+    # B = 3 (or k = 2 verified of B = 4) and 4 new tokens: a first cycle that rejects at slot 1 retains one slot
+    # (L = B-2-n, or k-1-n, = 1), so the next cycle runs conditioned; its drafts are then part of what the marginals
+    # of tokens 3 and 4 check.
     assert conditioned > SAMPLES // 20, f"only {conditioned} conditioned rounds"
     if draft_vocab is not None:
         assert set(drafts) <= set(draft_vocab)

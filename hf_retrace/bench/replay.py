@@ -67,16 +67,19 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
     return acceptance
 
 
-def replay_cycles(acceptance: list[int]) -> list[int]:
+def replay_cycles(acceptance: list[int], num_assistant_tokens: int | None = None) -> list[int]:
     """The committed length `a_p + 1` of each cycle greedy decoding runs, walking from the first anchor.
 
     `acceptance[i]` is `a_{P+i}`; the sequence has `len(acceptance) + 1` new tokens, the first from the prefill. As
     in transformers' assisted decoding, a cycle commits at most the tokens still missing (its bonus included), and
-    when exactly one is missing the target takes a plain step, which is not a drafted cycle.
+    when exactly one is missing the target takes a plain step, which is not a drafted cycle. `num_assistant_tokens`
+    replays generation that verifies only the first k drafts of each block (`a_p` capped at k): the drafter still
+    runs its full block, so those k drafts are the ones `acceptance` scored.
     """
+    cap = num_assistant_tokens if num_assistant_tokens is not None else len(acceptance)
     lengths, position = [], 0
     while position < len(acceptance) - 1:  # with one token left, generation takes a plain target step, no draft
-        committed = min(acceptance[position], len(acceptance) - position - 1) + 1
+        committed = min(acceptance[position], cap, len(acceptance) - position - 1) + 1
         lengths.append(committed)
         position += committed
     return lengths
@@ -84,10 +87,12 @@ def replay_cycles(acceptance: list[int]) -> list[int]:
 
 @dataclass
 class ReplayResult:
-    """Per prompt: `acceptance` (`a_p` at every anchor) and `cycles` (committed lengths of the replayed cycles)."""
+    """Per prompt: `acceptance` (`a_p` at every anchor) and `cycles` (committed lengths of the replayed cycles, each
+    verifying at most `num_assistant_tokens` drafts; `None`: the whole block)."""
 
     acceptance: list[list[int]] = field(default_factory=list)
     cycles: list[list[int]] = field(default_factory=list)
+    num_assistant_tokens: int | None = None
 
     @property
     def tau(self) -> float:
@@ -102,7 +107,7 @@ class ReplayResult:
 
     def add(self, acceptance: list[int]) -> None:
         self.acceptance.append(acceptance)
-        self.cycles.append(replay_cycles(acceptance))
+        self.cycles.append(replay_cycles(acceptance, self.num_assistant_tokens))
 
 
 __all__ = ["ReplayResult", "anchor_acceptance", "replay_cycles", "target_features"]

@@ -64,6 +64,12 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             draft logits are scattered back to the full vocabulary with `-inf` elsewhere, so greedy verification and
             speculative sampling stay exact (a target token outside the draft vocabulary is simply a rejection).
             Unset: the full vocabulary (z-lab DFlash checkpoints).
+        num_assistant_tokens (`int`, *optional*): `k`, how many of the `B-1` drafts of a block the target verifies
+            (the first `k`); unset verifies all. The drafter still runs its whole block, so the first `k` drafts are
+            exactly those of the full block; only the verification forward shrinks to `k+1` tokens. Named after
+            transformers' assistant setting of the same meaning (set it on the drafter's config, as transformers
+            reads it from the assistant's). Worth it where a verification forward costs more per token than the
+            drafts beyond `k` get accepted (on CPU, `benchmarks/verification_cost.py`).
     """
 
     model_type = "retrace_drafter"
@@ -95,6 +101,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     anchor_broadcast: bool = False
     draft_logits_dtype: str | None = None
     draft_vocab_size: int | None = None
+    num_assistant_tokens: int | None = None
 
     default_theta = 1000000.0
 
@@ -131,6 +138,11 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {self.draft_vocab_size}"
+            )
+        if self.num_assistant_tokens is not None and not 1 <= self.num_assistant_tokens < self.block_size:
+            raise ValueError(
+                f"num_assistant_tokens must be in [1, block_size - 1 = {self.block_size - 1}] or None (all drafts), "
+                f"got {self.num_assistant_tokens}"
             )
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")

@@ -65,7 +65,8 @@ def build_rejected_trajectory(
 
     Args:
         draft_hidden_states (`torch.Tensor` of shape `(batch, B, hidden)`): drafter final states of round r, slot 0
-            being the anchor.
+            being the anchor. `B` here is the verified length: the block, or its first `k+1` slots when only `k`
+            drafts were verified (`config.num_assistant_tokens`).
         verification_features (`torch.Tensor` of shape `(batch, B, num_features)`): target features of the B
             verification inputs `[a, d1 .. d_{B-1}]` (block position i = absolute position p+i).
         num_matches (`int`): accepted drafts n, in `[0, B-1]`.
@@ -118,7 +119,8 @@ class ReTraceGenerationStats:
 
 class _ConditionedDrafterCall:
     """Stands in for the drafter inside the parent's `get_candidates`: adds the pending rejected trajectory to the
-    call and keeps the output states, so the in-tree drafting loop is reused unchanged."""
+    call and keeps the output states, so the in-tree drafting loop is reused unchanged. It hands the parent only the
+    anchor and the first `k = num_assistant_tokens` slots, so the parent scores and proposes `k` drafts."""
 
     def __init__(self, drafter, generator: "ReTraceCandidateGenerator"):
         self.drafter, self.generator = drafter, generator
@@ -130,19 +132,25 @@ class _ConditionedDrafterCall:
         gen.stats.num_drafter_forwards += 1
         gen.stats.num_conditioned_rounds += gen.pending_trajectory is not None
         gen.last_draft_hidden_states = outputs.last_hidden_state  # [1, B, H]
+        outputs.last_hidden_state = outputs.last_hidden_state[:, : gen.num_assistant_tokens + 1]  # [1, k+1, H]
         return outputs
 
 
 class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     """DFlash candidate generator that conditions each block on the previous round's rejected suffix.
 
-    Per cycle it (1) reads `n` and the verification hidden states of ALL block positions from the outputs
+    Per cycle it (1) reads `n` and the verification hidden states of ALL verified block positions from the outputs
     `_assisted_decoding` hands over (plain DFlash crops the rejected ones away), (2) builds the aligned suffix with
     [`build_rejected_trajectory`], (3) drafts through the parent with that conditioning. Verification is untouched.
+
+    With `config.num_assistant_tokens = k < B-1` the drafter still runs its whole block (its trained shape), and the
+    target verifies `[a, d1 .. dk]`: `k+1` tokens instead of `B`. The drafts are the same tokens, so greedy output
+    is unchanged; ReTrace then retains slots `n+2 .. k`, the ones with verification features.
     """
 
     def __init__(self, assistant_model, *args, **kwargs):
         super().__init__(assistant_model, *args, **kwargs)
+        self.num_assistant_tokens = _num_assistant_tokens(assistant_model.config)
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
@@ -150,6 +158,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.pending_trajectory: ReTraceConditioning | None = None
         self.last_draft_hidden_states: torch.Tensor | None = None
         self._drafted = False
+        self._verified = 0  # tokens in the last verification forward: the anchor and the drafts proposed
         # The parent concatenates `hidden_states[i + 1]` over `target_layer_ids` for the accepted context, and
         # ReTrace needs the same layers at the rejected positions too. `get_candidates` concatenates once and hands
         # the parent that tensor as a single "layer" 0 (`hidden_states[1]`), so it only slices it.
@@ -160,9 +169,10 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.pending_trajectory = None
         if model_outputs is not None and not is_first_iteration:
             features = self._concatenated_features(model_outputs)  # [1, T_last, F]
-            if self._drafted and self.uses_trajectory:  # T_last = B: the verification inputs [a, d1 .. d_{B-1}]
+            if self._drafted and self.uses_trajectory:  # T_last = k+1: the verification inputs [a, d1 .. dk]
+                verified = self._verified
                 self.pending_trajectory = build_rejected_trajectory(
-                    self.last_draft_hidden_states, features[:, -self.block_size :], int(n_last_matches)
+                    self.last_draft_hidden_states[:, :verified], features[:, -verified:], int(n_last_matches)
                 )
             model_outputs = _ConcatenatedFeatures(hidden_states=(None, features))
         candidate_ids, candidate_logits = super().get_candidates(
@@ -174,13 +184,14 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             **kwargs,
         )
         self._drafted = candidate_ids.shape[1] > input_ids.shape[1]
+        self._verified = candidate_ids.shape[1] - input_ids.shape[1] + 1
         return candidate_ids, candidate_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self._drafted:  # a verification cycle of a drafted block (prefill and final no-draft steps excluded)
             n = int(num_matches)
             self.stats.acceptance_lengths.append(n + 1)
-            self.stats.retained_lengths.append(max(self.block_size - 2 - n, 0) if self.uses_trajectory else 0)
+            self.stats.retained_lengths.append(max(self._verified - 2 - n, 0) if self.uses_trajectory else 0)
 
     def _concatenated_features(self, model_outputs) -> torch.Tensor:
         """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
@@ -189,6 +200,18 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             raise ValueError("ReTrace needs the target's hidden states from the verification pass; got none.")
         feats = [model_outputs.hidden_states[i + 1] for i in self.feature_layer_ids]
         return torch.cat(feats, dim=-1).to(self.device)
+
+
+def _num_assistant_tokens(config) -> int:
+    """`k`, the drafts verified per block: `config.num_assistant_tokens`, or all `B-1` when unset. Checked here too,
+    since it may be set on a loaded drafter's config (the config checks it only when built)."""
+    k, drafted = config.num_assistant_tokens, config.block_size - 1
+    if k is not None and not 1 <= k <= drafted:
+        raise ValueError(
+            f"num_assistant_tokens must be in [1, block_size - 1 = {drafted}] (drafts verified per block) or None "
+            f"(all of them), got {k}"
+        )
+    return drafted if k is None else k
 
 
 @dataclass
