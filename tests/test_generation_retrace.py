@@ -104,6 +104,19 @@ def test_nonzero_conditioning_changes_drafts(monkeypatch):
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(conditioned, plain))
 
 
+@pytest.mark.parametrize("probs, kept", [([0.9, 0.6, 0.2, 0.9], 2), ([0.4, 0.9, 0.9, 0.9], 0), ([0.55] * 4, 4)])
+def test_confidence_stop_keeps_the_leading_confident_drafts(probs, kept):
+    context = torch.tensor([[7, 8, 9]])
+    drafts = torch.tensor([[1, 2, 3, 4]])
+    # [1, k, V = 6]: slot j peaks at draft j with probability probs[j]; the other 5 tokens share the rest
+    dist = torch.tensor(probs)[:, None].expand(4, 6)
+    dist = torch.where(torch.arange(6) == drafts[0][:, None], dist, (1 - dist) / 5)
+    logits = dist.log()[None]
+    ids, kept_logits = generation_retrace.stop_at_low_confidence(3, torch.cat([context, drafts], 1), logits, 0.5)
+    assert ids.tolist() == [[7, 8, 9] + [1, 2, 3, 4][:kept]]
+    assert (kept_logits is None) if kept == 0 else torch.equal(kept_logits, logits[:, :kept])
+
+
 @pytest.mark.parametrize("mode", ["off", "corrected"])
 def test_one_target_and_one_drafter_forward_per_cycle(mode):
     target = make_target("llama")

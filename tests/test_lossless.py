@@ -11,6 +11,7 @@ BLOCK = 4
 # (prompt length, max_new_tokens): lengths not multiples of the block, and one shorter than a block; then more
 # prompts until every acceptance length has been seen (at most 16 in all).
 CASES = [(5, 23), (9, 2), (3, 30)] + [(3 + i % 6, 31) for i in range(13)]
+THRESHOLD = 0.5  # a draft probability the tiny random drafter's drafts fall on both sides of
 
 
 def _greedy(target, prompt, **kwargs):
@@ -71,6 +72,33 @@ def test_verifying_only_the_first_k_drafts_is_lossless(mode):
             break
     hook.remove()
     assert acceptance == set(range(1, k + 2)), f"{mode}: acceptance lengths seen {sorted(acceptance)}"
+
+
+@pytest.mark.parametrize("mode", ["off", "corrected"])
+def test_confidence_stop_is_lossless(mode):
+    """`assistant_confidence_threshold`: each cycle verifies only its leading confident drafts, or none (a plain target
+    step after the drafter ran); output is still the target's and every drafter forward is one counted cycle."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=BLOCK, mode=mode)
+    drafter.config.assistant_confidence_threshold = THRESHOLD
+    widths = []
+    hook = target.register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    verified = set()
+    for i, (length, max_new) in enumerate(CASES):
+        prompt = random_prompt(length, seed=i)
+        expected = _greedy(target, prompt, max_new_tokens=max_new)
+        widths.clear()
+        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"{mode}: speculative output differs on case {i}"
+        stats = drafter.last_generation_stats
+        assert stats.num_drafter_forwards == len(stats.acceptance_lengths)
+        cycles = widths[1 : 1 + len(stats.acceptance_lengths)]  # after the prefill; a last plain step may follow
+        assert all(committed <= width for committed, width in zip(stats.acceptance_lengths, cycles))
+        verified.update(cycles)
+    hook.remove()
+    assert {1, BLOCK} < verified, f"verified lengths seen {sorted(verified)}: the threshold never (or always) stopped"
 
 
 def _prompt_with_mid_block_eos(target, eos):

@@ -28,6 +28,8 @@ def test_default_target_layer_ids_follow_the_dflash_rule():
         ({"retrace_gate_init": 0.0}, "retrace_gate_init"),
         ({"block_size": 4, "num_assistant_tokens": 4}, "num_assistant_tokens"),
         ({"num_assistant_tokens": 0}, "num_assistant_tokens"),
+        ({"assistant_confidence_threshold": 0.0}, "assistant_confidence_threshold"),
+        ({"assistant_confidence_threshold": 1.5}, "assistant_confidence_threshold"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types"),
         ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}, "sliding_window"),

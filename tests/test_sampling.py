@@ -34,12 +34,19 @@ def _tv(p, q):
 
 
 @pytest.mark.parametrize(
-    "draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens",
-    # q from the head, its bf16 copy, 5 of 8 tokens; then B = 4 verifying only its first 2 drafts
-    [(None, None, 3, None), ("bfloat16", None, 3, None), (None, [0, 2, 3, 5, 6], 3, None), (None, None, 4, 2)],
+    "draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens, confidence",
+    # q from the head, its bf16 copy, 5 of 8 tokens; B = 4 verifying only its first 2 drafts; then a confidence stop
+    # (how many drafts are verified then depends on the sampled drafts themselves)
+    [
+        (None, None, 3, None, None),
+        ("bfloat16", None, 3, None, None),
+        (None, [0, 2, 3, 5, 6], 3, None, None),
+        (None, None, 4, 2, None),
+        (None, None, 3, None, 0.3),
+    ],
 )
 def test_speculative_sampling_keeps_target_distribution(
-    monkeypatch, draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens
+    monkeypatch, draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens, confidence
 ):
     target = make_target("qwen3", restricted=False, vocab_size=VOCAB, seed=4)
     with torch.no_grad():  # peaked distributions, so target and drafter clearly differ
@@ -47,6 +54,7 @@ def test_speculative_sampling_keeps_target_distribution(
     drafter = make_drafter(target, block_size=block_size, mode="corrected")
     drafter.config.draft_logits_dtype = draft_logits_dtype
     drafter.config.num_assistant_tokens = num_assistant_tokens
+    drafter.config.assistant_confidence_threshold = confidence
     if draft_vocab is not None:
         drafter.set_draft_vocab(draft_vocab)
     exact = _exact_marginals(target)

@@ -70,6 +70,12 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             transformers' assistant setting of the same meaning (set it on the drafter's config, as transformers
             reads it from the assistant's). Worth it where a verification forward costs more per token than the
             drafts beyond `k` get accepted (on CPU, `benchmarks/verification_cost.py`).
+        assistant_confidence_threshold (`float`, *optional*): verify only the drafts before the first slot whose
+            draft distribution peaks below this value (the drafter's top-1 probability; for greedy drafts, that of the
+            drafted token); a block whose first slot is below it is not verified at all, and the cycle is a plain
+            target step. Named after transformers' assistant setting of the same purpose. Unset: no confidence stop.
+            Lossless either way, and speculative sampling stays exact: the stop depends on the draft distributions
+            only, never on the sampled drafts or the target.
     """
 
     model_type = "retrace_drafter"
@@ -102,6 +108,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     draft_logits_dtype: str | None = None
     draft_vocab_size: int | None = None
     num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
 
     default_theta = 1000000.0
 
@@ -143,6 +150,10 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_assistant_tokens must be in [1, block_size - 1 = {self.block_size - 1}] or None (all drafts), "
                 f"got {self.num_assistant_tokens}"
+            )
+        if self.assistant_confidence_threshold is not None and not 0.0 < self.assistant_confidence_threshold <= 1.0:
+            raise ValueError(
+                f"assistant_confidence_threshold must be in (0, 1] or None, got {self.assistant_confidence_threshold}"
             )
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")

@@ -175,6 +175,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
                     self.last_draft_hidden_states[:, :verified], features[:, -verified:], int(n_last_matches)
                 )
             model_outputs = _ConcatenatedFeatures(hidden_states=(None, features))
+        forwards = self.stats.num_drafter_forwards
         candidate_ids, candidate_logits = super().get_candidates(
             input_ids,
             model_kwargs=model_kwargs,
@@ -183,7 +184,12 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             n_last_matches=n_last_matches,
             **kwargs,
         )
-        self._drafted = candidate_ids.shape[1] > input_ids.shape[1]
+        threshold = self.assistant_model.config.assistant_confidence_threshold
+        if candidate_logits is not None and threshold is not None:
+            candidate_ids, candidate_logits = stop_at_low_confidence(input_ids.shape[1], candidate_ids, candidate_logits,
+                                                                     threshold)  # fmt: skip
+        # a cycle is one drafter forward, even when no draft was confident enough to verify (then it commits 1 token)
+        self._drafted = self.stats.num_drafter_forwards > forwards
         self._verified = candidate_ids.shape[1] - input_ids.shape[1] + 1
         return candidate_ids, candidate_logits
 
@@ -200,6 +206,33 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             raise ValueError("ReTrace needs the target's hidden states from the verification pass; got none.")
         feats = [model_outputs.hidden_states[i + 1] for i in self.feature_layer_ids]
         return torch.cat(feats, dim=-1).to(self.device)
+
+
+def stop_at_low_confidence(
+    context_length: int, candidate_ids: torch.LongTensor, candidate_logits: torch.Tensor, threshold: float
+) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """Keeps the drafts before the first slot whose draft distribution peaks below `threshold` (transformers'
+    `assistant_confidence_threshold`), so a cycle verifies no more tokens than its drafter believes in.
+
+    The confidence of slot `j` is the drafter's top-1 probability there: for greedy drafts, the drafted token's
+    probability. Under sampling it does not depend on the sampled token (DFlash computes every slot's distribution in
+    one forward), which keeps speculative sampling exact; a stop that looked at the sampled token's own probability
+    would bias it.
+
+    Args:
+        context_length (`int`): `T`, the committed tokens that `candidate_ids` starts with.
+        candidate_ids (`torch.LongTensor` of shape `(1, T + k)`): the context, then `k` drafts.
+        candidate_logits (`torch.Tensor` of shape `(1, k, vocab_size)`): the draft logits the drafts came from.
+        threshold (`float`): in `(0, 1]`.
+    Returns:
+        `(candidate_ids[:, : T + j], candidate_logits[:, :j])` for the `j` leading confident slots; `None` logits
+        when `j = 0`, which transformers runs as a plain target step.
+    """
+    confidence = candidate_logits.float().softmax(-1).amax(-1)  # [1, k]
+    keep = int((confidence >= threshold).int().cumprod(dim=-1).sum())  # one host sync per cycle: the verified length
+    if keep == 0:
+        return candidate_ids[:, :context_length], None
+    return candidate_ids[:, : context_length + keep], candidate_logits[:, :keep]
 
 
 def _num_assistant_tokens(config) -> int:
@@ -458,6 +491,7 @@ __all__ = [
     "draft_lm_head",
     "install_generate_hook",
     "retrace_generate",
+    "stop_at_low_confidence",
     "validate_drafter_for_target",
 ]
 
