@@ -6,9 +6,12 @@ then each drafter is scored by [`hf_retrace.bench.replay`]: the acceptance at ev
 decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace bench` reports it; `anchor_mean` is
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
-`--max-new-tokens` and `--draft-logits-dtype`). `--pool-rows START:END` replays rows of the token pool instead (the
-target's greedy responses, up to 256 tokens, in generation order): rows newer than a drafter's training data are a
-larger held-out set than the bench's prompts, with nothing to generate.
+`--max-new-tokens` and `--draft-logits-dtype`). `--num-assistant-tokens 2,3` and `--confidence-thresholds 0.3,0.4`
+add arms that verify fewer drafts per cycle (the drafter config settings of those names); `verified` is the mean
+tokens per verification forward, which with `benchmarks/verification_cost.py` prices a cycle. `--pool-rows
+START:END` replays rows of the token pool instead (the target's greedy responses, up to 256 tokens, in generation
+order): rows newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to
+generate.
 
 Usage (the bench prompts of sessions 5-7; ~1 min per drafter on 2 threads once the continuations exist):
 
@@ -41,9 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         "--num-assistant-tokens", default="",
         help="comma-separated k: also replay cycles that verify only the first k drafts of each block",
     )  # fmt: skip
+    parser.add_argument(
+        "--confidence-thresholds", default="",
+        help="comma-separated t: also replay cycles under assistant_confidence_threshold = t",
+    )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
-    caps = [None] + [int(k) for k in args.num_assistant_tokens.split(",") if k]
+    arms = [(None, None)] + [(int(k), None) for k in args.num_assistant_tokens.split(",") if k]
+    arms += [(None, float(t)) for t in args.confidence_thresholds.split(",") if t]
     drafters = [spec.partition("=") for spec in args.drafter]
     if not all(name and folder for name, _, folder in drafters):
         parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
@@ -61,12 +69,12 @@ def main(argv: list[str] | None = None) -> None:
                    for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
         sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
-    print(f"{'drafter':<18}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'bench_match':>13}")
+    print(f"{'drafter':<18}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
     for name, _, folder in drafters:
         drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
         if args.draft_logits_dtype != "none":
             drafter.config.draft_logits_dtype = args.draft_logits_dtype
-        _report(name, drafter, target, prompts, sequences, bench.get(name), caps)
+        _report(name, drafter, target, prompts, sequences, bench.get(name), arms)
 
 
 def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> list[torch.LongTensor]:
@@ -111,21 +119,23 @@ def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
     return {m: [c for _, _, c in sorted(rows, key=lambda r: (order[r[0]], r[1]))] for m, rows in by_method.items()}
 
 
-def _report(name, drafter, target, prompts, sequences, bench_cycles, caps) -> None:
-    from hf_retrace.bench.replay import ReplayResult, anchor_acceptance
+def _report(name, drafter, target, prompts, sequences, bench_cycles, arms) -> None:
+    from hf_retrace.bench.replay import ReplayResult, anchor_scores
 
-    acceptances = [anchor_acceptance(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
-    for cap in caps:  # the acceptance does not depend on the cap: one target forward per prompt serves all
+    scores = [anchor_scores(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
+    for cap, threshold in arms:  # the scores do not depend on the arm: one target forward per prompt serves all
+        limits = dict(num_assistant_tokens=cap, assistant_confidence_threshold=threshold)
         per_set: dict[str, ReplayResult] = {}
-        pooled, matches = ReplayResult(num_assistant_tokens=cap), 0
-        for i, ((label, _), acceptance) in enumerate(zip(prompts, acceptances)):
-            per_set.setdefault(label, ReplayResult(num_assistant_tokens=cap)).add(acceptance)
-            pooled.add(acceptance)
+        pooled, matches = ReplayResult(**limits), 0
+        for i, ((label, _), prompt_scores) in enumerate(zip(prompts, scores)):
+            per_set.setdefault(label, ReplayResult(**limits)).add(prompt_scores)
+            pooled.add(prompt_scores)
             matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
-        arm = name if cap is None else f"{name} k={cap}"
+        arm = name + (f" k={cap}" if cap is not None else "") + (f" t={threshold}" if threshold is not None else "")
         for label, result in [*per_set.items(), ("pooled", pooled)]:
             match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
-            print(f"{arm:<18}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}{match:>13}")
+            print(f"{arm:<18}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}"
+                  f"{result.mean_verified:>10.2f}{match:>13}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,28 +5,37 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target, random_prompt
-from hf_retrace.bench.replay import ReplayResult, anchor_acceptance, replay_cycles
+from hf_retrace.bench.replay import ReplayResult, anchor_acceptance, anchor_scores, replay_cycles
 
 
 @pytest.mark.parametrize(
-    "anchor_broadcast, vocab, num_assistant_tokens",
-    [(False, None, None), (True, [5, 6, 7, 9, 11], None), (False, None, 2)],
+    "anchor_broadcast, vocab, num_assistant_tokens, threshold",
+    [(False, None, None, None), (True, [5, 6, 7, 9, 11], None, None), (False, None, 2, None), (False, None, None, 0.5)],
 )
-def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_assistant_tokens):
+def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_assistant_tokens, threshold):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off", anchor_broadcast=anchor_broadcast)
     if vocab is not None:
         drafter.set_draft_vocab(vocab)
-    # k < B-1: generation verifies the first k drafts of each full block, which the replay caps acceptance at
+    # k < B-1: generation verifies the first k drafts of each full block, which the replay caps acceptance at; a
+    # confidence stop verifies the leading confident ones, which the replay reads from the slot confidences
     drafter.config.num_assistant_tokens = num_assistant_tokens
-    replay, generated, lengths_seen = ReplayResult(num_assistant_tokens=num_assistant_tokens), [], set()
+    drafter.config.assistant_confidence_threshold = threshold
+    limits = dict(num_assistant_tokens=num_assistant_tokens, assistant_confidence_threshold=threshold)
+    replay, generated, lengths_seen = ReplayResult(**limits), [], set()
     expected_lengths = set(range(1, (num_assistant_tokens or 3) + 2))
+    widths = []  # tokens of each target forward: the prefill, then one verification per cycle
+    target.register_forward_hook(lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]),
+                                 with_kwargs=True)  # fmt: skip
     for i in range(16):
         prompt = random_prompt(3 + i % 5, seed=i)
+        widths.clear()
         out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=17 + i, assistant_model=drafter)
         generated.append(drafter.last_generation_stats.acceptance_lengths)
-        replay.add(anchor_acceptance(target, drafter, out, prompt.shape[1]))
+        verified = widths[1 : 1 + len(generated[-1])]
+        replay.add(anchor_scores(target, drafter, out, prompt.shape[1]))
         assert replay.cycles[-1] == generated[-1], f"prompt {i}"
+        assert replay.verified[-1] == verified, f"prompt {i}"
         lengths_seen.update(generated[-1])
         if i >= 3 and lengths_seen == expected_lengths:
             break

@@ -33,9 +33,23 @@ def target_features(target, input_ids: torch.LongTensor, layer_ids: list[int]) -
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+@dataclass
+class AnchorScores:
+    """Per response anchor `p`: `acceptance` (`a_p`) and `confidence` (the drafter's top-1 probability at each of the
+    block's `B-1` slots, what `assistant_confidence_threshold` reads)."""
+
+    acceptance: list[int] = field(default_factory=list)
+    confidence: list[list[float]] = field(default_factory=list)
+
+    def proposed(self, threshold: float) -> list[int]:
+        """Drafts a cycle at each anchor proposes under a confidence stop: its leading slots at or above `threshold`
+        (all `B-1` for `threshold = 0`)."""
+        return [next((j for j, c in enumerate(slots) if c < threshold), len(slots)) for slots in self.confidence]
+
+
 @torch.no_grad()
-def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_length: int) -> list[int]:
-    """Greedy acceptance `a_p` of the DFlash block anchored at every response position.
+def anchor_scores(target, drafter, input_ids: torch.LongTensor, prompt_length: int) -> AnchorScores:
+    """Greedy acceptance `a_p` and slot confidences of the DFlash block anchored at every response position.
 
     Args:
         target (`PreTrainedModel`): the target (its embeddings, lm head and features).
@@ -44,7 +58,8 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
         input_ids (`torch.LongTensor` of shape `(1, T)`): prompt, then the target's greedy continuation.
         prompt_length (`int`): `P`; the first anchor is the token at `P` (the one the prefill produced).
     Returns:
-        `list[int]` of length `T - 1 - P`: entry `i` is `a_{P+i}` in `0 .. min(B-1, T-2-P-i)` (labels end at `T`).
+        [`AnchorScores`] of `T - 1 - P` anchors: `acceptance[i]` is `a_{P+i}` in `0 .. min(B-1, T-2-P-i)` (labels
+        end at `T`).
     """
     config = drafter.config
     block = config.block_size
@@ -52,47 +67,67 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
     embed = target.get_input_embeddings()
     head = draft_lm_head(target.get_output_embeddings(), config.draft_logits_dtype, drafter.draft_vocab_ids)
     ids = input_ids[0].tolist()
-    acceptance = []
+    scores = AnchorScores()
     for p in range(prompt_length, len(ids) - 1):
         slots = torch.full((1, block), config.mask_token_id, dtype=torch.long, device=input_ids.device)
         slots[0, 0] = ids[p]
         states = drafter(embed(slots), features[:, :p]).last_hidden_state  # [1, B, H], positions 0 .. p+B-1
-        drafts = head(states[:, 1:]).argmax(dim=-1)[0].tolist()  # d_1 .. d_{B-1}
+        confidence, drafts = head(states[:, 1:]).float().softmax(-1).max(dim=-1)  # [1, B-1] each: slots 1 .. B-1
         accepted = 0
-        for draft, label in zip(drafts, ids[p + 1 :]):  # zip stops at the sequence end
+        for draft, label in zip(drafts[0].tolist(), ids[p + 1 :]):  # zip stops at the sequence end
             if draft != label:
                 break
             accepted += 1
-        acceptance.append(accepted)
-    return acceptance
+        scores.acceptance.append(accepted)
+        scores.confidence.append(confidence[0].tolist())
+    return scores
 
 
-def replay_cycles(acceptance: list[int], num_assistant_tokens: int | None = None) -> list[int]:
+def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_length: int) -> list[int]:
+    """`a_p` at every response anchor: [`anchor_scores`] without the confidences."""
+    return anchor_scores(target, drafter, input_ids, prompt_length).acceptance
+
+
+def replay_cycles(
+    acceptance: list[int], num_assistant_tokens: int | None = None, proposed: list[int] | None = None
+) -> list[int]:
     """The committed length `a_p + 1` of each cycle greedy decoding runs, walking from the first anchor.
 
     `acceptance[i]` is `a_{P+i}`; the sequence has `len(acceptance) + 1` new tokens, the first from the prefill. As
     in transformers' assisted decoding, a cycle commits at most the tokens still missing (its bonus included), and
     when exactly one is missing the target takes a plain step, which is not a drafted cycle. `num_assistant_tokens`
-    replays generation that verifies only the first k drafts of each block (`a_p` capped at k): the drafter still
-    runs its full block, so those k drafts are the ones `acceptance` scored.
+    replays generation that verifies only the first k drafts of each block, and `proposed[i]` (from
+    [`AnchorScores.proposed`]) the drafts a confidence stop leaves at anchor `i`: `a_p` is capped by both, since the
+    drafter still runs its full block and the drafts it proposes are the ones `acceptance` scored.
     """
-    cap = num_assistant_tokens if num_assistant_tokens is not None else len(acceptance)
-    lengths, position = [], 0
+    return [committed for _, committed in _walk(acceptance, num_assistant_tokens, proposed)]
+
+
+def _walk(acceptance: list[int], num_assistant_tokens: int | None, proposed: list[int] | None):
+    """Yields `(drafts verified, tokens committed)` per replayed cycle; see [`replay_cycles`]. The drafts verified
+    are not capped by the sequence end (transformers verifies the whole proposal and crops after), and are `None`
+    when neither a cap nor `proposed` says how many there were."""
+    position = 0
     while position < len(acceptance) - 1:  # with one token left, generation takes a plain target step, no draft
-        committed = min(acceptance[position], cap, len(acceptance) - position - 1) + 1
-        lengths.append(committed)
+        limits = [num_assistant_tokens] if num_assistant_tokens is not None else []
+        limits += [proposed[position]] if proposed is not None else []
+        drafts = min(limits) if limits else None
+        committed = min(acceptance[position], len(acceptance) - position - 1, *limits) + 1
+        yield drafts, committed
         position += committed
-    return lengths
 
 
 @dataclass
 class ReplayResult:
-    """Per prompt: `acceptance` (`a_p` at every anchor) and `cycles` (committed lengths of the replayed cycles, each
-    verifying at most `num_assistant_tokens` drafts; `None`: the whole block)."""
+    """Per prompt: `acceptance` (`a_p` at every anchor), `cycles` (committed lengths of the replayed cycles) and
+    `verified` (tokens of each cycle's verification forward), each cycle verifying at most `num_assistant_tokens`
+    drafts and, with `assistant_confidence_threshold`, only its confident ones (`None`: no such limit)."""
 
     acceptance: list[list[int]] = field(default_factory=list)
     cycles: list[list[int]] = field(default_factory=list)
+    verified: list[list[int]] = field(default_factory=list)
     num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
 
     @property
     def tau(self) -> float:
@@ -105,9 +140,28 @@ class ReplayResult:
         values = [a for row in self.acceptance for a in row]
         return 1 + sum(values) / max(len(values), 1)
 
-    def add(self, acceptance: list[int]) -> None:
+    @property
+    def mean_verified(self) -> float:
+        """Mean tokens per verification forward (the anchor and the proposed drafts): what sets a cycle's cost."""
+        return sum(map(sum, self.verified)) / max(sum(map(len, self.verified)), 1)
+
+    def add(self, scores: "AnchorScores | list[int]") -> None:
+        """Adds one prompt: its [`AnchorScores`], or its bare acceptance when there is no confidence stop."""
+        threshold = self.assistant_confidence_threshold
+        if isinstance(scores, AnchorScores):
+            acceptance = scores.acceptance
+            # without a confidence stop every anchor proposes its whole block (B-1 drafts), up to num_assistant_tokens
+            proposed = scores.proposed(threshold if threshold is not None else 0.0)
+        elif threshold is None:
+            acceptance, proposed = scores, None
+        else:
+            raise ValueError("a confidence stop needs the slot confidences: pass anchor_scores(...), not acceptance")
+        walk = list(_walk(acceptance, self.num_assistant_tokens, proposed))
         self.acceptance.append(acceptance)
-        self.cycles.append(replay_cycles(acceptance, self.num_assistant_tokens))
+        self.cycles.append([committed for _, committed in walk])
+        self.verified.append([drafts + 1 for drafts, _ in walk if drafts is not None])
 
 
-__all__ = ["ReplayResult", "anchor_acceptance", "replay_cycles", "target_features"]
+__all__ = [
+    "AnchorScores", "ReplayResult", "anchor_acceptance", "anchor_scores", "replay_cycles", "target_features",
+]  # fmt: skip
