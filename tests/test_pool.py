@@ -102,6 +102,21 @@ def test_pool_resumes_and_features_rebuild(tmp_path):
     assert batch["loss_mask"][0].tolist() == [0] * min(prompt_length, 6) + [1] * max(6 - prompt_length, 0)
 
 
+def test_a_changed_prompt_stream_never_generates_a_prompt_twice(tmp_path):
+    target = make_target("llama")
+    items = _items(9)
+    kwargs = dict(eos_token_ids={EOS}, layer_ids=LAYERS, target_name="tiny", batch_size=4, max_new_tokens=6,
+                  shard_rows=3)  # fmt: skip
+    build_pool(target, items[:6], tmp_path / "pool", None, **kwargs)
+    # the same prompts at positions shifted by 3 (a source list that changed size): by position alone, prompts 3-5
+    # would be generated again under positions 6-8
+    shifted = [PromptItem(item.index + 3, item.source, item.prompt_ids) for item in items]
+    build_pool(target, shifted, tmp_path / "pool", None, **kwargs)
+    rows = read_token_shards(tmp_path / "pool")
+    prompts = [tuple(r["prompt_ids"]) for r in rows]
+    assert sorted(prompts) == sorted(tuple(item.prompt_ids) for item in items)  # each of the 9 prompts once
+
+
 def test_feature_cache_mismatches_are_clear_errors(tmp_path):
     target = make_target("llama")
     build_pool(target, _items(2), tmp_path / "pool", tmp_path / "features", eos_token_ids={EOS}, layer_ids=LAYERS,

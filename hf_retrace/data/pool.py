@@ -136,8 +136,11 @@ def build_pool(
         _write_feature_meta(feature_dir, target_name, layer_ids, target.config.get_text_config().hidden_size)
     done = read_token_shards(pool_dir)
     total = sum(len(r["response_ids"]) for r in done)
-    finished_ids = {r["index"] for r in done}
-    todo = [item for item in prompt_stream if item.index not in finished_ids]
+    # skip by stream position and by prompt: positions shift when a source list changes (e.g. the open-ended corpora
+    # installed on one machine and not another), and a prompt already in the pool must not be generated twice
+    finished_ids, finished_prompts = {r["index"] for r in done}, {tuple(r["prompt_ids"]) for r in done}
+    todo = [item for item in prompt_stream
+            if item.index not in finished_ids and tuple(item.prompt_ids) not in finished_prompts]  # fmt: skip
     logger.warning(f"pool: {len(done)} rows ({total} response tokens) already in {tokens_dir}; {len(todo)} to go")
     next_shard = len(list(tokens_dir.glob("shard_*.npz")))
     generator = ContinuousBatchGenerator(

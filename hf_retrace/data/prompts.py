@@ -238,6 +238,13 @@ def _module_docstrings() -> list[str]:
 
 
 def _open_ended(num_prompts: int | None, seed: int, split: str | None = None) -> list[list[dict]]:
+    missing = [str(path) for path in (_FORTUNES_DIR, _JARGON_FILE, _PYDOC_DIR) if not path.exists()]
+    if missing:  # the set is then another one: benchmarks and pools from machines with the corpora do not compare
+        logger.warning_once(
+            f"open_ended: {', '.join(missing)} not found, so the set holds fewer, different prompts than on a machine "
+            "with the Debian corpora (the README's figures use them): `apt-get install fortunes jargon-text "
+            "python3.11-doc`."
+        )
     rng = random.Random(seed)
     texts = [rng.choice(_FORTUNE_TEMPLATES).format(text=t) for t in _split(_fortunes(), split)]
     jargon = "What does the hacker jargon term '{}' mean? Give an example of its use."
