@@ -50,8 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
-    arms = [(None, None)] + [(int(k), None) for k in args.num_assistant_tokens.split(",") if k]
-    arms += [(None, float(t)) for t in args.confidence_thresholds.split(",") if t]
+    caps = [int(k) for k in args.num_assistant_tokens.split(",") if k]
+    thresholds = [float(t) for t in args.confidence_thresholds.split(",") if t]
+    # each limit alone, then every pair (a cycle verifies at most k drafts, and only the confident ones)
+    arms = [(None, None)] + [(k, None) for k in caps] + [(None, t) for t in thresholds]
+    arms += [(k, t) for k in caps for t in thresholds]
     drafters = [spec.partition("=") for spec in args.drafter]
     if not all(name and folder for name, _, folder in drafters):
         parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
