@@ -43,6 +43,25 @@ def test_greedy_is_lossless(arch, mode, anchor_broadcast):
     assert (conditioned > 0) == (mode != "off"), f"{arch}/{mode}: {conditioned} conditioned rounds"
 
 
+def _lossless_runs(target, drafter, label):
+    """Yields `(case, stats, widths)` per case of `CASES`, once its speculative output equals target-only greedy;
+    `widths` are the input lengths of the speculative run's target forwards (prefill, then one per cycle)."""
+    widths = []
+    hook = target.register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        for i, (length, max_new) in enumerate(CASES):
+            prompt = random_prompt(length, seed=i)
+            expected = _greedy(target, prompt, max_new_tokens=max_new)
+            widths.clear()
+            got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+            assert got.tolist() == expected.tolist(), f"{label}: speculative output differs on case {i}"
+            yield i, drafter.last_generation_stats, list(widths)
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("mode", ["off", "corrected"])
 def test_verifying_only_the_first_k_drafts_is_lossless(mode):
     """`num_assistant_tokens = k < B-1`: each cycle verifies `k+1` tokens, output is still the target's, and ReTrace
@@ -51,18 +70,8 @@ def test_verifying_only_the_first_k_drafts_is_lossless(mode):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=block, mode=mode)
     drafter.config.num_assistant_tokens = k
-    widths = []
-    hook = target.register_forward_hook(
-        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
     acceptance = set()
-    for i, (length, max_new) in enumerate(CASES):
-        prompt = random_prompt(length, seed=i)
-        expected = _greedy(target, prompt, max_new_tokens=max_new)
-        widths.clear()
-        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
-        assert got.tolist() == expected.tolist(), f"{mode}: speculative output differs on case {i}"
-        stats = drafter.last_generation_stats
+    for i, stats, widths in _lossless_runs(target, drafter, mode):
         assert widths[1:].count(k + 1) == len(stats.acceptance_lengths)  # every drafted cycle verified k+1 tokens
         assert max(widths[1:], default=1) <= k + 1
         retained = [max(k - committed, 0) if mode != "off" else 0 for committed in stats.acceptance_lengths]
@@ -70,7 +79,6 @@ def test_verifying_only_the_first_k_drafts_is_lossless(mode):
         acceptance.update(stats.acceptance_lengths)
         if i >= 2 and len(acceptance) == k + 1:
             break
-    hook.remove()
     assert acceptance == set(range(1, k + 2)), f"{mode}: acceptance lengths seen {sorted(acceptance)}"
 
 
@@ -81,23 +89,12 @@ def test_confidence_stop_is_lossless(mode):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=BLOCK, mode=mode)
     drafter.config.assistant_confidence_threshold = THRESHOLD
-    widths = []
-    hook = target.register_forward_hook(
-        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
     verified = set()
-    for i, (length, max_new) in enumerate(CASES):
-        prompt = random_prompt(length, seed=i)
-        expected = _greedy(target, prompt, max_new_tokens=max_new)
-        widths.clear()
-        got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
-        assert got.tolist() == expected.tolist(), f"{mode}: speculative output differs on case {i}"
-        stats = drafter.last_generation_stats
+    for _, stats, widths in _lossless_runs(target, drafter, mode):
         assert stats.num_drafter_forwards == len(stats.acceptance_lengths)
         cycles = widths[1 : 1 + len(stats.acceptance_lengths)]  # after the prefill; a last plain step may follow
         assert all(committed <= width for committed, width in zip(stats.acceptance_lengths, cycles))
         verified.update(cycles)
-    hook.remove()
     assert {1, BLOCK} < verified, f"verified lengths seen {sorted(verified)}: the threshold never (or always) stopped"
 
 
