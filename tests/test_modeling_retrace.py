@@ -192,9 +192,19 @@ def test_batch_size_above_one_is_a_clear_error(tiny_target, tiny_drafter):
         tiny_target.generate(prompts, max_new_tokens=5, assistant_model=tiny_drafter)
 
 
-def test_num_assistant_tokens_set_after_loading_is_checked_at_generate(tiny_target, tiny_drafter):
-    tiny_drafter.config.num_assistant_tokens = tiny_drafter.config.block_size  # one more than there are drafts
-    with pytest.raises(ValueError, match=r"num_assistant_tokens must be in \[1, block_size - 1 = "):
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_assistant_tokens", "block_size", r"num_assistant_tokens must be in \[1, block_size - 1 = "),
+        ("assistant_confidence_threshold", 1.5, r"assistant_confidence_threshold must be in \(0, 1\]"),
+    ],
+)
+def test_verification_limits_set_after_loading_are_checked_at_generate(
+    tiny_target, tiny_drafter, field, value, message
+):
+    # one more draft than a block has; a probability above 1
+    setattr(tiny_drafter.config, field, tiny_drafter.config.block_size if value == "block_size" else value)
+    with pytest.raises(ValueError, match=message):
         tiny_target.generate(random_prompt(4, 0), max_new_tokens=5, assistant_model=tiny_drafter)
 
 

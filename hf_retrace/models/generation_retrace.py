@@ -150,7 +150,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
 
     def __init__(self, assistant_model, *args, **kwargs):
         super().__init__(assistant_model, *args, **kwargs)
-        self.num_assistant_tokens = _num_assistant_tokens(assistant_model.config)
+        self.num_assistant_tokens, self.confidence_threshold = _verification_limits(assistant_model.config)
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
@@ -184,10 +184,10 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             n_last_matches=n_last_matches,
             **kwargs,
         )
-        threshold = self.assistant_model.config.assistant_confidence_threshold
-        if candidate_logits is not None and threshold is not None:
-            candidate_ids, candidate_logits = stop_at_low_confidence(input_ids.shape[1], candidate_ids, candidate_logits,
-                                                                     threshold)  # fmt: skip
+        if candidate_logits is not None and self.confidence_threshold is not None:
+            candidate_ids, candidate_logits = stop_at_low_confidence(
+                input_ids.shape[1], candidate_ids, candidate_logits, self.confidence_threshold
+            )
         # a cycle is one drafter forward, even when no draft was confident enough to verify (then it commits 1 token)
         self._drafted = self.stats.num_drafter_forwards > forwards
         self._verified = candidate_ids.shape[1] - input_ids.shape[1] + 1
@@ -235,16 +235,19 @@ def stop_at_low_confidence(
     return candidate_ids[:, : context_length + keep], candidate_logits[:, :keep]
 
 
-def _num_assistant_tokens(config) -> int:
-    """`k`, the drafts verified per block: `config.num_assistant_tokens`, or all `B-1` when unset. Checked here too,
-    since it may be set on a loaded drafter's config (the config checks it only when built)."""
-    k, drafted = config.num_assistant_tokens, config.block_size - 1
+def _verification_limits(config) -> tuple[int, float | None]:
+    """`(k, t)`: the drafts verified per block (`config.num_assistant_tokens`, or all `B-1` when unset) and the
+    confidence stop (`config.assistant_confidence_threshold`). Checked here too, since they may be set on a loaded
+    drafter's config (the config checks them only when built)."""
+    k, drafted, t = config.num_assistant_tokens, config.block_size - 1, config.assistant_confidence_threshold
     if k is not None and not 1 <= k <= drafted:
         raise ValueError(
             f"num_assistant_tokens must be in [1, block_size - 1 = {drafted}] (drafts verified per block) or None "
             f"(all of them), got {k}"
         )
-    return drafted if k is None else k
+    if t is not None and not 0.0 < t <= 1.0:
+        raise ValueError(f"assistant_confidence_threshold must be in (0, 1] or None (no confidence stop), got {t}")
+    return (drafted if k is None else k), t
 
 
 @dataclass
