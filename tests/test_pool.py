@@ -13,6 +13,7 @@ from hf_retrace.data.pool import (
     cache_pool_features,
     cache_target_ids,
     load_feature_dataset,
+    load_pool_dataset,
     pool_prompt_stream,
     read_token_shards,
 )
@@ -115,6 +116,27 @@ def test_a_changed_prompt_stream_never_generates_a_prompt_twice(tmp_path):
     rows = read_token_shards(tmp_path / "pool")
     prompts = [tuple(r["prompt_ids"]) for r in rows]
     assert sorted(prompts) == sorted(tuple(item.prompt_ids) for item in items)  # each of the 9 prompts once
+
+
+def test_a_time_budget_stops_taking_prompts_and_the_pool_reads_as_a_training_set(tmp_path):
+    target = make_target("llama")
+    items = _items(6)
+    kwargs = dict(eos_token_ids={EOS}, layer_ids=LAYERS, target_name="tiny", batch_size=2, max_new_tokens=8,
+                  shard_rows=4)  # fmt: skip
+    assert build_pool(target, items, tmp_path / "pool", None, max_seconds=0, **kwargs) == 0  # time is up at once
+    assert read_token_shards(tmp_path / "pool") == []
+    with pytest.raises(ValueError, match="no token shard"):
+        load_pool_dataset(tmp_path / "pool")
+    build_pool(target, items, tmp_path / "pool", None, max_seconds=600, **kwargs)
+    rows = read_token_shards(tmp_path / "pool")
+    assert sorted(r["index"] for r in rows) == list(range(6))
+
+    dataset = load_pool_dataset(tmp_path / "pool", max_length=9)
+    assert len(dataset) == 6
+    for row, example in zip(rows, dataset):
+        ids = row["prompt_ids"] + row["response_ids"]
+        assert example["input_ids"] == ids[:9]
+        assert example["loss_mask"] == ([0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"]))[:9]
 
 
 def test_feature_cache_mismatches_are_clear_errors(tmp_path):

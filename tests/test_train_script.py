@@ -219,6 +219,24 @@ def test_cached_feature_training_with_a_reduced_vocabulary(tmp_path, loss_type, 
     assert got.tolist() == expected.tolist()
 
 
+def test_a_pool_folder_trains_online(tmp_path):
+    """A pool's token shards as `dataset_name` with `feature_source=online`: the target computes the features in every
+    step (what a GPU run does instead of a feature cache), and the last rows are the held-out split."""
+    _tiny_pool(tmp_path, [4 + i % 5 for i in range(10)], max_new_tokens=12)
+    module = _train_module()
+    script_args, training_args, model_args = module.make_parser().parse_args_and_config(
+        ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(tmp_path / "pool"),
+         "--feature_source", "online", "--drafter_target_layer_ids", "1", "--max_steps", "2", "--save_strategy", "no",
+         "--num_anchors", "4", "--eval_num_rows", "2", "--eval_strategy", "steps", "--eval_steps", "2",
+         "--report_to", "none"]
+    )  # fmt: skip
+    trainer = module.main(script_args, training_args, model_args)
+    assert len(trainer.train_dataset) == 8 and len(trainer.eval_dataset) == 2
+    assert [c for c in trainer.train_dataset.column_names] == ["input_ids", "loss_mask"]
+    evals = [log for log in trainer.state.log_history if "eval_acceptance" in log]
+    assert evals and 0 <= evals[-1]["eval_acceptance"] <= 15
+
+
 def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
     """completion_only_loss=False on a cache with target ids anchors blocks in prompts too: more supervised slots
     per step from the same rows; without target ids it is a clear error, and ReTrace modes refuse it."""

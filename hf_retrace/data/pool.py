@@ -21,8 +21,10 @@ from itertools import takewhile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_datasets, load_from_disk
+from datasets.table import InMemoryTable
 from transformers.utils import logging
 
 from .continuous_generation import ContinuousBatchGenerator, GeneratedRow, PromptItem
@@ -62,6 +64,39 @@ def read_token_shards(pool_dir: str | os.PathLike) -> list[dict]:
                 rows.append(dict(index=int(data["index"][r]), source=sources[r], prompt_ids=tokens[:p],
                                  response_ids=tokens[p:], finished=bool(data["finished"][r]), shard=path.stem))  # fmt: skip
     return rows
+
+
+def load_pool_dataset(pool_dir: str | os.PathLike, max_length: int | None = None) -> Dataset:
+    """The token shards as a tokenized training set (`input_ids`, `loss_mask`: 0 on the prompt, 1 on the response),
+    for `feature_source="online"`, where the target computes the features in every step (a GPU run: no cache on disk).
+
+    Built with array arithmetic, not per-token Python lists: a pool of tens of millions of tokens loads in seconds.
+
+    Args:
+        pool_dir (`str` or `os.PathLike`): a pool folder (`tokens/shard_*.npz`).
+        max_length (`int`, *optional*): cut every row to its first `max_length` tokens.
+    """
+    paths = sorted((Path(pool_dir) / "tokens").glob("shard_*.npz"))
+    if not paths:
+        raise ValueError(f"{pool_dir} has no token shard (expected {Path(pool_dir) / 'tokens' / 'shard_*.npz'}).")
+    ids, masks, lengths = [], [], []
+    for path in paths:
+        with np.load(path) as data:
+            prompt, tokens = data["prompt_length"], data["tokens"]
+            full = prompt + data["response_length"]
+        kept = full if max_length is None else np.minimum(full, max_length)
+        # token j of row r sits at starts[r] + j in the shard's flat `tokens`; keep j < kept[r]
+        starts = np.repeat(np.cumsum(full) - full, kept)
+        within = np.arange(kept.sum()) - np.repeat(np.cumsum(kept) - kept, kept)
+        ids.append(tokens[starts + within].astype(np.int64))
+        masks.append((within >= np.repeat(prompt, kept)).astype(np.int64))
+        lengths.append(kept)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(np.concatenate(lengths))]), type=pa.int64())
+    table = pa.table({
+        "input_ids": pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(ids))),
+        "loss_mask": pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(masks))),
+    })  # fmt: skip
+    return Dataset(InMemoryTable(table))
 
 
 def _write_token_shard(path: Path, rows: list[GeneratedRow]) -> None:
@@ -116,7 +151,7 @@ def _write_feature_meta(feature_dir: Path, target_name: str, layer_ids: list[int
 def build_pool(
     target, prompt_stream: list[PromptItem], pool_dir, feature_dir=None, *, eos_token_ids: set[int],
     layer_ids: list[int], target_name: str, batch_size: int = 64, max_new_tokens: int = 256, shard_rows: int = 256,
-    max_response_tokens: int | None = None, pad_token_id: int = 0,
+    max_response_tokens: int | None = None, max_seconds: float | None = None, pad_token_id: int = 0,
 ) -> int:  # fmt: skip
     """Generates the pool (tokens and, with `feature_dir`, features) resumably; returns its response-token count.
 
@@ -128,6 +163,8 @@ def build_pool(
         target_name (`str`): the identity the feature cache is keyed by, with `layer_ids`.
         shard_rows (`int`): finished rows per shard (the unit of checkpointing).
         max_response_tokens (`int`, *optional*): stop once the pool holds this many response tokens.
+        max_seconds (`float`, *optional*): stop taking new prompts after this many seconds (rows in flight finish
+            and are written), for a run on a lent machine with a fixed time budget.
     """
     tokens_dir = Path(pool_dir) / "tokens"
     tokens_dir.mkdir(parents=True, exist_ok=True)
@@ -148,8 +185,13 @@ def build_pool(
         layer_ids=layer_ids if feature_dir is not None else None, pad_token_id=pad_token_id,
     )  # fmt: skip
     buffer, start = [], time.perf_counter()
-    # the generator pulls prompts lazily, so this stops feeding new rows once the pool is big enough
-    wanted = takewhile(lambda _: max_response_tokens is None or total < max_response_tokens, todo)
+    # the generator pulls prompts lazily, so this stops feeding new rows once the pool is big enough or time is up
+    deadline = None if max_seconds is None else start + max_seconds
+    wanted = takewhile(
+        lambda _: (max_response_tokens is None or total < max_response_tokens)
+        and (deadline is None or time.perf_counter() < deadline),
+        todo,
+    )
     for row in generator.generate(wanted):
         buffer.append(row)
         total += len(row.response_ids)
@@ -367,6 +409,7 @@ __all__ = [
     "cache_pool_features",
     "cache_target_ids",
     "load_feature_dataset",
+    "load_pool_dataset",
     "pool_prompt_stream",
     "read_token_shards",
     "target_greedy_ids",

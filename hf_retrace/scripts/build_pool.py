@@ -40,6 +40,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="decoding slots kept full")
     parser.add_argument("--shard-rows", type=int, default=128, help="rows per checkpoint shard")
     parser.add_argument("--max-response-tokens", type=int, default=None, help="stop once the pool holds this many")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop taking new prompts after this long")
     parser.add_argument("--seed", type=int, default=0, help="first prompt seed of the reasoning-gym sets")
     parser.add_argument("--features-only", action="store_true", help="only compute missing feature shards")
     parser.add_argument("--no-features", action="store_true", help="tokens only (features later, --features-only)")
@@ -76,6 +77,7 @@ def _generate(args: argparse.Namespace, target, tokenizer, layer_ids: list[int])
         target, pool_prompt_stream(sources), args.pool_dir, None if args.no_features else args.feature_dir,
         eos_token_ids=eos, layer_ids=layer_ids, target_name=args.target, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, shard_rows=args.shard_rows, max_response_tokens=args.max_response_tokens,
+        max_seconds=args.max_seconds,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )  # fmt: skip
     logging.getLogger("build_pool").warning(f"done: {total} response tokens in {args.pool_dir}")

@@ -22,9 +22,11 @@ SYNTHETIC = "synthetic"
 
 @dataclass
 class ReTraceScriptArguments(ScriptArguments):
-    """Data arguments. `dataset_name`: `synthetic` (random prompts answered by the target, for smoke tests), a
-    `save_to_disk` folder (e.g. the output of `hf_retrace.data.responses.generate_responses`), a `.json`/`.jsonl` file, or a
-    Hub dataset. Rows are either tokenized (`input_ids`, `loss_mask`) or chat `messages` (tokenized here)."""
+    """Data arguments. `dataset_name`: `synthetic` (random prompts answered by the target, for smoke tests), a pool
+    folder (`tokens/shard_*.npz`, from `hf-retrace build-pool`; `feature_source="online"`), a feature cache
+    (`feature_source="cached"`), a `save_to_disk` folder (e.g. the output of
+    `hf_retrace.data.responses.generate_responses`), a `.json`/`.jsonl` file, or a Hub dataset. Rows are either
+    tokenized (`input_ids`, `loss_mask`) or chat `messages` (tokenized here)."""
 
     synthetic_num_examples: int = field(default=64, metadata={"help": "Rows of the `synthetic` dataset."})
     synthetic_prompt_length: int = field(default=8, metadata={"help": "Prompt tokens per `synthetic` row."})
@@ -68,6 +70,10 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
         )  # fmt: skip
     from datasets import load_dataset, load_from_disk
 
+    if os.path.isdir(os.path.join(name, "tokens")):  # a pool's token shards: the target computes features online
+        from ..data.pool import load_pool_dataset
+
+        return load_pool_dataset(name, training_args.max_length)
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
         dataset = load_from_disk(name)
     elif name.endswith((".json", ".jsonl")):
@@ -168,25 +174,40 @@ def lora_config(model_args: ModelConfig):
     )  # fmt: skip
 
 
-def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig):
-    """Loads target and drafter, trains, saves the drafter (merged with `--use_peft`) to `output_dir`."""
+def build_trainer(
+    script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig, target=None, dataset=None
+) -> ReTraceTrainer:
+    """Loads target, drafter and dataset and builds the trainer that [`main`] runs.
+
+    Args:
+        target, dataset (*optional*): an already loaded target (with `tokenizer` on it or `None`) and the full dataset
+            before the row split, so that two trainers of one run (e.g. a timing probe, then the run) load them once.
+    """
     if model_args.use_peft and not (training_args.drafter_name_or_path or model_args.model_name_or_path):
         raise ValueError("--use_peft needs a trained drafter to adapt: set drafter_name_or_path.")
-    target, tokenizer = load_target(
-        training_args.target_model_name_or_path, training_args.target_dtype, training_args.target_model_init_kwargs
-    )
+    tokenizer = None
+    if target is None:
+        target, tokenizer = load_target(
+            training_args.target_model_name_or_path, training_args.target_dtype, training_args.target_model_init_kwargs
+        )
     drafter = init_drafter(training_args, target, model_args.model_name_or_path)
+    if dataset is None:
+        dataset = load_training_dataset(script_args, training_args, target, tokenizer)
     dataset, eval_dataset = split_rows(
-        load_training_dataset(script_args, training_args, target, tokenizer), script_args.dataset_start_row,
-        script_args.eval_num_rows, script_args.dataset_end_row,
+        dataset, script_args.dataset_start_row, script_args.eval_num_rows, script_args.dataset_end_row
     )
     if training_args.drafter_draft_vocab_size is not None:
         set_draft_vocab_from_dataset(drafter, dataset, training_args.drafter_draft_vocab_size)
-    trainer = ReTraceTrainer(
+    return ReTraceTrainer(
         model=drafter, target=target, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset,
         peft_config=lora_config(model_args),
         data_collator=feature_collator(dataset, drafter, training_args),
-    )
+    )  # fmt: skip
+
+
+def main(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig):
+    """Loads target and drafter, trains, saves the drafter (merged with `--use_peft`) to `output_dir`."""
+    trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Saved the drafter to {training_args.output_dir}")
