@@ -1,5 +1,8 @@
-"""Target forward time for L new tokens on a cached prefix (L = 1, 2, 4, 6, 8, 12, 16): the cost of verifying a block of
-L tokens vs one decoding step, which is what block size trades against. Prints the median of several runs.
+"""Target forward time for L new tokens on a cached prefix (L = 1, 2, 3, 4, 6, 8, 12, 16): the cost of verifying a
+block of L tokens vs one decoding step, which is what block size and the verified length trade against. Prints the
+median of several runs, and how much of it is the lm head alone (`[L, hidden] x [hidden, vocab]`, the largest
+matrix, read in full by every forward): on a CPU, a BLAS may run a product of a few rows as one matrix-vector
+product per row, so 2 or 3 rows cost 2 or 3 times one row until a wider kernel takes over.
 
     python benchmarks/verification_cost.py [--prefix 200] [--repeats 7] [--dtype fp32]
 """
@@ -26,6 +29,16 @@ def forward_ms(target, prefix: torch.Tensor, num_new: int, repeats: int) -> floa
     return 1000 * statistics.median(times)
 
 
+def lm_head_ms(target, num_new: int, repeats: int) -> float:
+    hidden = torch.randn(1, num_new, target.config.hidden_size, dtype=target.dtype)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.lm_head(hidden)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix", type=int, default=200)
@@ -36,9 +49,14 @@ def main():
     prefix = torch.randint(0, target.config.vocab_size, (1, args.prefix))
     with torch.no_grad():
         base = forward_ms(target, prefix, 1, args.repeats)
-        for num_new in (1, 2, 4, 6, 8, 12, 16):
-            ms = forward_ms(target, prefix, num_new, args.repeats)
-            print(f"verify {num_new:>2} tokens: {ms:7.1f} ms  ({ms / base:.2f}x one decoding step)")
+        base_head = lm_head_ms(target, 1, args.repeats)
+        for num_new in (1, 2, 3, 4, 6, 8, 12, 16):
+            ms, head = forward_ms(target, prefix, num_new, args.repeats), lm_head_ms(target, num_new, args.repeats)
+            print(
+                f"verify {num_new:>2} tokens: {ms:7.1f} ms  ({ms / base:.2f}x one decoding step)   lm head "
+                f"{head:5.1f} ms ({head / base_head:.2f}x one row)   the rest {ms - head:6.1f} ms "
+                f"({(ms - head) / (base - base_head):.2f}x)"
+            )
 
 
 if __name__ == "__main__":
