@@ -165,7 +165,7 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--generate-minutes", type=float, default=3.5)
     parser.add_argument("--train-minutes", type=float, default=3.5)
-    parser.add_argument("--batch-size", type=int, default=768, help="decoding slots kept full")
+    parser.add_argument("--batch-size", type=int, default=512, help="decoding slots kept full (KV cache ~30 GB at 512)")
     parser.add_argument("--shard-rows", type=int, default=1024)
     parser.add_argument("--max-prompts", type=int, default=None)
     parser.add_argument("--probe-steps", type=int, default=6)
