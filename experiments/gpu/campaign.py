@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from hf_retrace.data.assets import load_default_target
 from hf_retrace.data.continuous_generation import PromptItem
 from hf_retrace.data.pool import build_pool, load_pool_dataset
+from hf_retrace.scripts.build_pool import stop_and_pad_ids
 from hf_retrace.scripts.train import build_trainer, make_parser
 
 
@@ -52,13 +53,11 @@ def load_prompt_items(path: Path, limit: int | None) -> list[PromptItem]:
 
 
 def generate(target, tokenizer, items: list[PromptItem], pool_dir: Path, args) -> None:
-    eos = target.generation_config.eos_token_id
-    eos = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos, pad = stop_and_pad_ids(target, tokenizer)
     total = build_pool(
         target, items, pool_dir, None, eos_token_ids=eos, layer_ids=[], target_name="default",
         batch_size=args.batch_size, max_new_tokens=256, shard_rows=args.shard_rows,
-        max_seconds=60 * args.generate_minutes,
-        pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+        max_seconds=60 * args.generate_minutes, pad_token_id=pad,
     )  # fmt: skip
     log(f"generated {total} response tokens into {pool_dir}")
 

@@ -15,9 +15,7 @@ import numpy as np
 
 from hf_retrace.data.assets import load_default_target
 from hf_retrace.data.pool import pool_prompt_stream, read_token_shards
-from hf_retrace.data.responses import _prompt_ids
-from hf_retrace.scripts.build_pool import FINITE_SETS
-from hf_retrace.scripts.generate_data import parse_mix, select_prompts
+from hf_retrace.scripts.build_pool import pool_sources
 
 
 def main():
@@ -28,11 +26,7 @@ def main():
     parser.add_argument("--output", default=".gpu/prompts.npz")
     args = parser.parse_args()
     _, tokenizer = load_default_target()
-    sources = {}
-    for name, count in parse_mix(args.mix):
-        split = "train" if name in FINITE_SETS else None
-        prompts = select_prompts(name, count, 0, tokenizer, args.max_prompt_tokens, split=split)
-        sources[name] = [_prompt_ids(tokenizer, p) for p in prompts]
+    sources = pool_sources(args.mix, 0, tokenizer, args.max_prompt_tokens)
     answered = {tuple(row["prompt_ids"]) for row in read_token_shards(args.pool_dir)}
     stream = [item for item in pool_prompt_stream(sources) if tuple(item.prompt_ids) not in answered]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -65,20 +65,33 @@ def main(args: argparse.Namespace) -> None:
         cache_target_ids(target, args.feature_dir)
 
 
-def _generate(args: argparse.Namespace, target, tokenizer, layer_ids: list[int]) -> None:
+def pool_sources(mix: str, seed: int, tokenizer, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+    """`{source: prompt ids}` of a `--mix`: reasoning-gym sets from `seed`, the finite sets' `train` split (what
+    [`pool_prompt_stream`] interleaves)."""
     sources = {}
-    for name, count in parse_mix(args.mix):
+    for name, count in parse_mix(mix):
         split = "train" if name in FINITE_SETS else None
-        prompts = select_prompts(name, count, args.seed, tokenizer, args.max_prompt_tokens, split=split)
+        prompts = select_prompts(name, count, seed, tokenizer, max_prompt_tokens, split=split)
         sources[name] = [_prompt_ids(tokenizer, p) for p in prompts]
+    return sources
+
+
+def stop_and_pad_ids(target, tokenizer) -> tuple[set[int], int]:
+    """(end-of-response ids, pad id) of a pool's generation: the tokenizer's and generation config's EOS tokens, and
+    the pad token (EOS when there is none)."""
     eos = target.generation_config.eos_token_id
     eos = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return eos, tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def _generate(args: argparse.Namespace, target, tokenizer, layer_ids: list[int]) -> None:
+    sources = pool_sources(args.mix, args.seed, tokenizer, args.max_prompt_tokens)
+    eos, pad = stop_and_pad_ids(target, tokenizer)
     total = build_pool(
         target, pool_prompt_stream(sources), args.pool_dir, None if args.no_features else args.feature_dir,
         eos_token_ids=eos, layer_ids=layer_ids, target_name=args.target, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, shard_rows=args.shard_rows, max_response_tokens=args.max_response_tokens,
-        max_seconds=args.max_seconds,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        max_seconds=args.max_seconds, pad_token_id=pad,
     )  # fmt: skip
     logging.getLogger("build_pool").warning(f"done: {total} response tokens in {args.pool_dir}")
 
