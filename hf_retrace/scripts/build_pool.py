@@ -25,7 +25,7 @@ from .generate_data import load_target, parse_mix, select_prompts
 
 
 DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
-FINITE_SETS = ("stdlib", "open_ended")
+FINITE_SETS = ("stdlib", "stdlib_complete", "open_ended")
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
