@@ -4,8 +4,10 @@ a full speculative cycle on the default target (SmolLM2-135M-Instruct, fp32, so 
     python benchmarks/draft_logits_cost.py [--drafter model_cards/smollm2-135m-retrace] [--num-threads 1]
 
 Prints (1) medians of the head alone on `last_hidden_state[:, 1:]` of a `[1, B, H]` state (what the in-tree generator
-passes): the fp32 target head, a plain bf16 cast of that 3-D slice, and `DraftLMHead` (bf16, flattened to 2-D); (2) ms per verification cycle, tau and a lossless check for `draft_logits_dtype` unset vs
-`"bfloat16"`, on one prompt, alternating the two settings `--repeats` times.
+passes): the fp32 target head, a plain bf16 cast of that 3-D slice, and `DraftLMHead` (bf16, flattened to 2-D); for a
+drafter with a reduced draft vocabulary, also its fp32 head on the `k` rows verified, as `linear` and as
+`DraftLMHead`'s GEMM on the transposed weight; (2) ms per verification cycle, tau and a lossless check for
+`draft_logits_dtype` unset vs `"bfloat16"`, on one prompt, alternating the two settings `--repeats` times.
 """
 
 import argparse
@@ -44,6 +46,21 @@ def head_costs(target, rows: int) -> dict[str, float]:
     }
 
 
+@torch.no_grad()
+def reduced_head_costs(target, drafter) -> dict[str, float]:
+    """The fp32 head of a reduced draft vocabulary on the `k` rows the generator scores (`num_assistant_tokens`):
+    `linear` on the [K, H] slice against `DraftLMHead`'s GEMM on the contiguous [H, K] transpose."""
+    head, ids = target.get_output_embeddings(), drafter.draft_vocab_ids
+    k = drafter.config.num_assistant_tokens or drafter.config.block_size - 1
+    draft_head = draft_lm_head(head, "float32", ids)
+    states = torch.randn(1, k + 1, head.weight.shape[1])[:, 1:]
+    flat, rows = states.reshape(k, -1), head.weight.detach()[ids]
+    return {
+        f"fp32 {len(ids)}-row slice, {k} rows, linear": median_ms(lambda: torch.nn.functional.linear(flat, rows)),
+        f"fp32 {len(ids)}-row DraftLMHead, {k} rows": median_ms(lambda: draft_head(states)),
+    }
+
+
 def cycle_costs(target, tokenizer, drafter, max_new_tokens: int, repeats: int) -> None:
     messages = [{"role": "user", "content": PROMPT}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -70,8 +87,11 @@ def main():
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
     drafter = ReTraceDrafterModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
-    for name, ms in head_costs(target, drafter.config.block_size - 1).items():
-        print(f"{name:36} {ms:6.1f} ms")
+    costs = head_costs(target, drafter.config.block_size - 1)
+    if drafter.draft_vocab_ids is not None:
+        costs |= reduced_head_costs(target, drafter)
+    for name, ms in costs.items():
+        print(f"{name:44} {ms:6.1f} ms")
     cycle_costs(target, tokenizer, drafter, args.max_new_tokens, args.repeats)
 
 

@@ -19,8 +19,8 @@ Every set is returned as a list of conversations in the chat format (`[{"role": 
   installed; generated datasets are cached under a fingerprint of the prompts themselves, so this is never stale.
 - a path to a `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
 
-The finite sets (`humaneval`, `stdlib`, `stdlib_complete`, `open_ended`, `.jsonl`) are returned in a canonical order; with
-`num_prompts`, a seeded random subset is returned (still in canonical order).
+The finite sets (`humaneval`, `stdlib`, `stdlib_complete`, `open_ended`, `.jsonl`) are returned in a canonical order;
+with `num_prompts`, a seeded random subset is returned (still in canonical order).
 """
 
 import ast
@@ -44,7 +44,8 @@ logger = logging.get_logger(__name__)
 
 PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "stdlib_complete", "open_ended")
 SPLITS = ("train", "eval")
-SPLIT_SETS = ("stdlib", "stdlib_complete", "open_ended")  # the finite sets partitioned into `train` and `eval` (see `load_prompts`)
+# the finite sets partitioned into `train` and `eval` (see `load_prompts`)
+SPLIT_SETS = ("stdlib", "stdlib_complete", "open_ended")
 EVAL_SEED_OFFSET = 10_000  # training pools use reasoning-gym seeds below this, evaluation pools seeds at or above it
 DEFAULT_PROCEDURAL_SIZE = 500  # reasoning-gym sets are unlimited; this many items when `num_prompts` is None
 
@@ -302,18 +303,18 @@ def load_prompts(
 
     Args:
         name (`str`):
-            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `humaneval`, `stdlib`, `stdlib_complete`, `open_ended`) or a path to a
-            `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
+            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `humaneval`, `stdlib`, `stdlib_complete`, `open_ended`)
+            or a path to a `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
         num_prompts (`int`, *optional*):
             how many prompts. Defaults to the whole set (`DEFAULT_PROCEDURAL_SIZE` for the unlimited reasoning-gym
             sets).
         seed (`int`, *optional*, defaults to 0):
             reasoning-gym seed (training below `EVAL_SEED_OFFSET`, evaluation at or above it) or, for finite sets, the
             seed of the random subset and of the template choice.
-        split (`str`, *optional*): for the finite sets `stdlib`, `stdlib_complete` and `open_ended`, `"train"` or `"eval"`: a fixed
-            partition (1 item in 10 is held out for evaluation, by a hash of its text), so that training pools and
-            evaluation prompts never share an item. `None` (default) is the whole set. Ignored by the other sets
-            (reasoning-gym sets separate by seed; HumanEval is evaluation-only).
+        split (`str`, *optional*): for the finite sets `stdlib`, `stdlib_complete` and `open_ended`, `"train"` or
+            `"eval"`: a fixed partition (1 item in 10 is held out for evaluation, by a hash of its text), so that
+            training pools and evaluation prompts never share an item. `None` (default) is the whole set. Ignored by
+            the other sets (reasoning-gym sets separate by seed; HumanEval is evaluation-only).
 
     Returns:
         `list[list[dict]]`: one `[{"role": ..., "content": ...}, ...]` conversation per prompt.
