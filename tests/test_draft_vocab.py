@@ -108,3 +108,29 @@ def test_training_head_maps_labels_and_drafts():
     states = torch.randn(2, 5, 4)
     expected = torch.tensor([1, 4, 8])[(states @ head.weight[[1, 4, 8]].T).argmax(-1)]
     assert torch.equal(train_head.greedy_ids(states, chunk_rows=3), expected)
+
+
+def test_draft_vocab_command_reranks_a_saved_drafter_on_pools(tmp_path, capsys):
+    """`hf-retrace draft-vocab`: the new vocabulary holds the pools' response tokens first (the restricted target
+    answers in SUPPORT only), ranked on the first END rows of a `DIR:END` pool, and the drafter loads with it."""
+    from hf_retrace.cli import main as cli_main
+    from hf_retrace.data.continuous_generation import PromptItem
+    from hf_retrace.data.pool import build_pool, read_token_shards
+
+    target = make_target("llama")
+    items = [PromptItem(i, "rand", random_prompt(3 + i, seed=i)[0].tolist()) for i in range(4)]
+    build_pool(target, items, tmp_path / "pool", None, eos_token_ids={-1}, layer_ids=[0], target_name="tiny",
+               batch_size=2, max_new_tokens=6)  # fmt: skip
+    drafter = make_drafter(target)
+    drafter.set_draft_vocab([60, 61, 62])
+    drafter.save_pretrained(tmp_path / "drafter")
+    argv = ["draft-vocab", "--drafter", str(tmp_path / "drafter"), "--pool", f"{tmp_path / 'pool'}:3", "--size", "3"]
+    assert cli_main(argv + ["--output", str(tmp_path / "out")]) == 0
+    assert "cover 100.00% of 3 pool responses (the loaded drafter's 3 tokens: 0.00%)" in capsys.readouterr().out
+    reranked = ReTraceDrafterModel.from_pretrained(tmp_path / "out")
+    answered = {t for row in read_token_shards(tmp_path / "pool")[:3] for t in row["response_ids"]}
+    assert answered <= set(SUPPORT) and answered <= set(reranked.draft_vocab_ids.tolist())
+    assert reranked.config.draft_vocab_size == 3
+    torch.testing.assert_close(reranked.fc.weight, drafter.fc.weight)  # only the vocabulary changed
+    with pytest.raises(ValueError, match="END must be in"):
+        cli_main(argv[:4] + [f"{tmp_path / 'pool'}:9", "--size", "3", "--output", str(tmp_path / "bad")])
