@@ -325,10 +325,10 @@ class DraftLMHead(nn.Module):
             weight, bias = weight[vocab_ids], None if bias is None else bias.detach()[vocab_ids]
         self.register_buffer("vocab_ids", vocab_ids, persistent=False)  # [K] or None
         # The weight is kept as `weight_t`, [H, K or V]. fp32 stores it contiguous: a few rows times it is a plain
-        # GEMM, which MKL runs ~2.5x faster than `linear`'s per-row products on a [K, H] weight (3 rows of an
-        # 8192-row head: ~2 ms against ~5.5 ms, 1 thread; `benchmarks/draft_logits_cost.py`). Other dtypes keep
-        # [K, H] contiguous and use `linear`: on CPUs without bf16 units only it has a fast bf16 path (the transposed
-        # product is ~25x slower there).
+        # GEMM, which MKL runs faster than `linear`'s per-row products on a [K, H] weight (3 rows of an
+        # 8192-row head: 2.7 ms against 4.7 ms, 1 thread; `benchmarks/draft_logits_cost.py`). Other dtypes keep
+        # [K, H] contiguous and use `linear`: on CPUs without bf16 units its bf16 path is slow, and the transposed
+        # product ~25x slower still.
         weight = weight.to(dtype)
         weight_t = weight.T.contiguous() if dtype == torch.float32 else weight.T  # [H, K or V]
         self.register_buffer("weight_t", weight_t, persistent=False)
@@ -342,8 +342,9 @@ class DraftLMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[b, q, H]` drafter states -> `[b, q, V]` draft logits."""
         # 2-D on purpose: the generator passes `last_hidden_state[:, 1:]`, and a bf16 cast of that slice keeps its
-        # 3-D strides, which takes a slow CPU matmul path (136 ms vs 8 ms for 15 rows of SmolLM2's 49152 x 576 head,
-        # 1 thread; `benchmarks/draft_logits_cost.py`). The fp32 target head takes ~51 ms.
+        # 3-D strides, which took a slow CPU matmul path (136 ms vs 8 ms for 15 rows of SmolLM2's 49152 x 576 head,
+        # 1 thread, session 5; on an AVX2 CPU without bf16 units both take ~113 ms, and the fp32 head ~35 ms:
+        # `benchmarks/draft_logits_cost.py`).
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.weight_t.dtype)  # [b*q, H]
         if self.weight_t.dtype == torch.float32:  # x @ W^T as a plain GEMM on the contiguous [H, K]
             logits = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
