@@ -85,23 +85,7 @@ def test_stdlib_complete_prompts_are_humaneval_style_stubs(small_stdlib):
     assert 0 < len(with_docstring) < len(prompts._stdlib_functions())  # functions without a docstring are skipped
 
 
-def test_cut_after_docstring_for_completion_prompts():
-    code = textwrap.dedent(
-        '''\
-        def f(x):
-            """Doubles x.
-
-            Long description.
-            """
-            return 2 * x'''
-    )
-    node = ast.parse(code).body[0]
-    assert prompts._cut_after_docstring(node, code) == code.rsplit("\n", 1)[0] + "\n"
-    bare = "def g(x):\n    return x"
-    assert prompts._cut_after_docstring(ast.parse(bare).body[0], bare) is None
-
-
-def test_strip_docstring_for_docstring_prompts():
+def test_strip_docstring_and_cut_after_docstring():
     code = textwrap.dedent(
         '''\
         def f(x):
@@ -113,6 +97,10 @@ def test_strip_docstring_for_docstring_prompts():
     )
     node = ast.parse(code).body[0]
     assert prompts._strip_docstring(node, code) == "def f(x):\n    return 2 * x"
+    # the completion stub is the other half: the function up to the end of its docstring
+    assert prompts._cut_after_docstring(node, code) == code.rsplit("\n", 1)[0] + "\n"
+    bare = "def g(x):\n    return x"
+    assert prompts._cut_after_docstring(ast.parse(bare).body[0], bare) is None
 
 
 def test_open_ended_uses_installed_corpora(tmp_path, monkeypatch, small_stdlib):
