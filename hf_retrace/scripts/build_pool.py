@@ -20,12 +20,12 @@ import logging
 import torch
 
 from ..data.pool import build_pool, cache_pool_features, cache_target_ids, pool_prompt_stream
+from ..data.prompts import SPLIT_SETS
 from ..data.responses import _prompt_ids
 from .generate_data import load_target, parse_mix, select_prompts
 
 
 DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
-FINITE_SETS = ("stdlib", "stdlib_complete", "open_ended")
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def pool_sources(mix: str, seed: int, tokenizer, max_prompt_tokens: int) -> dict
     [`pool_prompt_stream`] interleaves)."""
     sources = {}
     for name, count in parse_mix(mix):
-        split = "train" if name in FINITE_SETS else None
+        split = "train" if name in SPLIT_SETS else None
         prompts = select_prompts(name, count, seed, tokenizer, max_prompt_tokens, split=split)
         sources[name] = [_prompt_ids(tokenizer, p) for p in prompts]
     return sources
