@@ -11,7 +11,8 @@ Every part is timed by wrapping the call that does it, during real `generate(...
 
 Also printed: a 1-token target decoding step, and the verification forward's cost in those steps, for each B.
 Usage: `python benchmarks/cycle_breakdown.py --drafter model_cards/smollm2-135m-dflash --block-sizes 8,16`
-(`--compile`: the drafter under `torch.compile`).
+(`--compile`: the drafter under `torch.compile`; `--skinny-gemm`: target and drafter with `hf_retrace.skinny_gemm`;
+`--num-assistant-tokens K --confidence-threshold T` override the drafter config's verification setting).
 A drafter trained with B = 16 run at B = 8 drafts the first 7 slots of its block (the time is what matters here).
 """
 
@@ -26,6 +27,7 @@ from transformers import DynamicCache
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
 from hf_retrace.models.generation_retrace import DraftLMHead
+from hf_retrace.skinny_gemm import enable_skinny_gemm
 
 
 PROMPTS = [
@@ -155,9 +157,14 @@ def main():
     parser.add_argument("--pool", default="data/smollm2-pool")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the drafter's forward (dynamic shapes; two warm-up generations first)")  # fmt: skip
+    parser.add_argument("--skinny-gemm", action="store_true", help="few-row linears as a transposed GEMM")
+    parser.add_argument("--num-assistant-tokens", type=int, default=None, help="verify only the first k drafts")
+    parser.add_argument("--confidence-threshold", type=float, default=None, help="stop drafts below this probability")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
+    if args.skinny_gemm:
+        enable_skinny_gemm(target)
     one = decode_step_ms(target, 1)
     print(f"target 1-token decoding step: {one:.1f} ms; draft head dtype {args.draft_logits_dtype or 'float32'}")
     for block_size in map(int, args.block_sizes.split(",")):
@@ -166,6 +173,12 @@ def main():
         if drafter.anchor_broadcast is not None:
             drafter.anchor_broadcast.block_size = block_size
         drafter.config.draft_logits_dtype = args.draft_logits_dtype
+        if args.num_assistant_tokens is not None:  # else the drafter config's
+            drafter.config.num_assistant_tokens = args.num_assistant_tokens
+        if args.confidence_threshold is not None:
+            drafter.config.assistant_confidence_threshold = args.confidence_threshold
+        if args.skinny_gemm:
+            enable_skinny_gemm(drafter)
         if args.draft_vocab_size:
             from hf_retrace.trainer.draft_vocab import most_frequent_tokens
             from hf_retrace.data.pool import read_token_shards
@@ -180,12 +193,13 @@ def main():
             start = time.perf_counter()
             run(target, tokenizer, drafter, args.max_new_tokens)  # compiles, and recompiles on new shapes
             print(f"torch.compile warm-up generations: {time.perf_counter() - start:.0f} s")
-        verify = decode_step_ms(target, block_size)
+        width = min(block_size, (drafter.config.num_assistant_tokens or block_size) + 1)  # a full cycle's tokens
+        verify = decode_step_ms(target, width)
         result = run(target, tokenizer, drafter, args.max_new_tokens)
         parts = result["per_cycle_ms"]
         overhead = sum(v for k, v in parts.items() if k != "verification")
         print(f"\ndraft vocabulary: {drafter.config.draft_vocab_size or 'full'}")
-        print(f"B = {block_size}: {block_size}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
+        print(f"B = {block_size}: {width}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
               f"{result['cycles']} cycles")  # fmt: skip
         for name, ms in parts.items():
             print(f"  {name:<14}{ms:>8.1f} ms/cycle")

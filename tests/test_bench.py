@@ -266,3 +266,24 @@ def test_sampling_mode_skips_the_lossless_check(assets):
     rows = json.loads((out / "results.json").read_text())["results"]
     assert all(r["lossless"] is None for r in rows) and all(r["tau"] >= 1.0 for r in rows)
     assert "sampling" in (out / "results.md").read_text()
+
+
+def test_skinny_gemm_runs_every_method_on_the_same_kernels(assets, monkeypatch, tmp_path):
+    """`--skinny-gemm` routes the target's and every drafter's linears (so `ar` runs them too), stays lossless, and
+    is recorded in the run info."""
+    routed = []
+
+    def enable(model):
+        routed.append(type(model).__name__)
+        return bench_enable(model)
+
+    bench_enable = bench.enable_skinny_gemm
+    monkeypatch.setattr(bench, "enable_skinny_gemm", enable)
+    argv = ["--target", str(assets / "target"), "--methods", f"ar,dflash={assets / 'drafter'}", "--prompt-sets",
+            f"{assets / 'ids.jsonl'}:2", "--max-new-tokens", "12", "--output-dir", str(tmp_path), "--no-progress",
+            "--skinny-gemm"]  # fmt: skip
+    assert bench.main(argv) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert routed == ["Qwen3ForCausalLM", "ReTraceDrafterModel"]
+    assert payload["run"]["skinny_gemm"] is True and all(row["lossless"] for row in payload["results"])
+    assert "skinny GEMM linears" in (tmp_path / "results.md").read_text()

@@ -158,7 +158,7 @@ def render_markdown(
             f"{run_info['num_threads']} threads), {run_info['decoding']}, "
             f"max_new_tokens={run_info['max_new_tokens']}, "
             f"draft logits {run_info.get('draft_logits_dtype') or 'as each drafter config says'}, "
-            "methods interleaved per prompt."
+            f"{'skinny GEMM' if run_info.get('skinny_gemm') else 'stock'} linears, methods interleaved per prompt."
         ),
         "",
         f"{TAU_NOTE}. Speedup = tokens/s over `ar` tokens/s on the same prompts in the same run.",

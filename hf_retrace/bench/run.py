@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..data.prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
+from ..skinny_gemm import enable_skinny_gemm
 from .methods import Generation, Method, parse_methods
 from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
 from .stats import paired_tau_table
@@ -151,6 +152,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (1 avoids oversubscription)")
     parser.add_argument(
+        "--skinny-gemm", action="store_true",
+        help="few-row fp32 CPU linears as a transposed GEMM (hf_retrace.skinny_gemm), in the target and every drafter,"
+             " so every method, `ar` included, runs the same kernels",
+    )  # fmt: skip
+    parser.add_argument(
         "--baseline", default=None,
         help="method to compare every other against: tau ratio with a paired bootstrap interval over prompts",
     )  # fmt: skip
@@ -187,6 +193,9 @@ def _run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, dtype, args.device)
     specs = parse_methods(args.methods)
     methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
+    if args.skinny_gemm:
+        for model in [target] + [m.drafter for m in methods if m.drafter is not None]:
+            enable_skinny_gemm(model)
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip
     generate_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -206,6 +215,7 @@ def _run(args: argparse.Namespace) -> int:
         "decoding": f"sampling (temperature={args.temperature}, seed={args.seed})" if args.do_sample else "greedy",
         "max_new_tokens": args.max_new_tokens,
         "draft_logits_dtype": args.draft_logits_dtype,
+        "skinny_gemm": args.skinny_gemm,
         "methods": [asdict(m.spec) for m in methods],
         "prompt_sets": args.prompt_sets,
         "prompt_seed": args.prompt_seed,

@@ -1,0 +1,83 @@
+"""`hf_retrace.skinny_gemm`: few-row fp32 linears as a transposed GEMM give linear's result, and keep greedy
+speculative decoding lossless when the target and drafter both use them."""
+
+import pytest
+import torch
+from torch import nn
+
+import hf_retrace.skinny_gemm as skinny_gemm
+from conftest import make_drafter, make_target, random_prompt
+from hf_retrace.skinny_gemm import disable_skinny_gemm, enable_skinny_gemm, skinny_linear
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 24), (1, 5, 24), (2, 32, 24)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_equals_linear(shape, with_bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape), torch.randn(40, 24)
+    bias = torch.randn(40) if with_bias else None
+    out = skinny_linear(x, weight, bias)
+    assert out.shape == (*shape[:-1], 40) and out.is_contiguous()
+    torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_linear_reads_strided_inputs():
+    torch.manual_seed(0)
+    x, weight = torch.randn(1, 24, 6).transpose(1, 2), torch.randn(40, 24)  # [1, 6, 24], not contiguous
+    torch.testing.assert_close(skinny_linear(x, weight), nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x, weight, max_rows",
+    [
+        (torch.randn(1, 9, 24), torch.randn(40, 24), 8),  # more rows than max_rows (a prefill)
+        (torch.randn(1, 3, 24, dtype=torch.bfloat16), torch.randn(40, 24, dtype=torch.bfloat16), 8),  # not fp32
+        (torch.randn(1, 3, 24), torch.randn(24, 40).t(), 8),  # a transposed weight view
+    ],
+)
+def test_other_inputs_take_linear_unchanged(x, weight, max_rows):
+    assert torch.equal(skinny_linear(x, weight, max_rows=max_rows), nn.functional.linear(x, weight))
+
+
+def test_enable_routes_plain_linears_and_disable_restores_them(monkeypatch):
+    target = make_target("llama")
+    plain = sum(type(m) is nn.Linear for m in target.modules())
+    calls = []
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *args: calls.append(args[0].shape) or "routed")
+    assert enable_skinny_gemm(target, max_rows=4) == plain > 0
+    assert target.lm_head(torch.randn(1, 2, 32)) == "routed" and calls == [(1, 2, 32)]
+    assert disable_skinny_gemm(target) == plain
+    assert disable_skinny_gemm(target) == 0
+    assert isinstance(target.lm_head(torch.randn(1, 2, 32)), torch.Tensor) and len(calls) == 1
+
+
+def test_subclassed_linears_are_left_alone():
+    class LoraLikeLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), LoraLikeLinear(4, 4))
+    assert enable_skinny_gemm(model) == 1
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+
+
+@pytest.mark.parametrize("max_rows", [0, -3, 2.5, None])
+def test_bad_max_rows_is_a_clear_error(max_rows):
+    with pytest.raises(ValueError, match="max_rows must be a positive int"):
+        enable_skinny_gemm(nn.Linear(4, 4), max_rows=max_rows)
+
+
+@pytest.mark.parametrize("mode", ["off", "corrected"])
+def test_greedy_stays_lossless_with_skinny_gemm(mode):
+    """Verification forwards (B rows) and target-only steps (1 row, duplicated) both take the transposed GEMM."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode=mode)
+    stock = [target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24) for i in range(4)]
+    enable_skinny_gemm(target), enable_skinny_gemm(drafter)
+    accepted = []
+    for i, expected in enumerate(stock):
+        prompt = random_prompt(5, seed=i)
+        assert target.generate(prompt, do_sample=False, max_new_tokens=24).tolist() == expected.tolist()
+        got = target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"{mode}: speculative output differs on prompt {i}"
+        accepted += drafter.last_generation_stats.acceptance_lengths
+    assert max(accepted) > 1, "no draft was ever accepted, so no multi-row verification was checked"
