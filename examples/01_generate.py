@@ -4,7 +4,7 @@ repo ships: prints the text, tau (tokens committed per verification cycle) and t
     python examples/01_generate.py [--drafter FOLDER] [--prompt "..."] [--max-new-tokens 128] [--repeats 3]
                                    [--no-skinny-gemm]
 
-The best shipped drafter is the DFlash one (`model_cards/smollm2-135m-dflash`, with its confidence stop); the ReTrace
+The best shipped drafter is the DFlash one (`model_cards/smollm2-135m-dflash`, verifying 3 drafts a cycle); the ReTrace
 drafter (`--drafter model_cards/smollm2-135m-retrace`) is within noise of its DFlash control and slower here. Target
 alone and speculative runs alternate `--repeats` times and the medians are compared, so a slow moment of a shared
 CPU does not land on one side only. Both run the same target with `hf_retrace.skinny_gemm` enabled (fp32 linears
