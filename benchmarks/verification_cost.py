@@ -72,5 +72,6 @@ def main():
                          f"{skinny / ms:.2f}x stock)")
             print(line, flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -53,7 +53,8 @@ def main():
     else:  # no trained drafter shipped yet: a fresh one (output is the target's either way, just slower)
         drafter, source = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=8).eval(), "fresh"
     if args.skinny_gemm:  # the same patched target serves both sides of the comparison
-        enable_skinny_gemm(target), enable_skinny_gemm(drafter)
+        enable_skinny_gemm(target)
+        enable_skinny_gemm(drafter)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     timed_generate(target, inputs, max_new_tokens=8)  # warmup
