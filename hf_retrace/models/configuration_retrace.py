@@ -76,6 +76,16 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             target step. Named after transformers' assistant setting of the same purpose. Unset: no confidence stop.
             Lossless either way, and speculative sampling stays exact: the stop depends on the draft distributions
             only, never on the sampled drafts or the target.
+        prompt_lookup_num_tokens (`int`, *optional*): turn on prompt lookup in front of the drafter. Each cycle first
+            looks for the context's last n-gram earlier in the context (prompt and output). Where it finds one, the
+            target verifies up to this many tokens that followed it, and the drafter skips the cycle. Where it finds
+            none, the drafter drafts as usual; its context then catches up on the target features of the skipped
+            cycles. Named after transformers' generation setting; passing `prompt_lookup_num_tokens` to `generate`
+            overrides it. Unset: the drafter drafts every cycle.
+        prompt_lookup_max_ngram_size (`int`, defaults to 3): longest n-gram looked up (tried first). Passing
+            `max_matching_ngram_size` to `generate` overrides it.
+        prompt_lookup_min_ngram_size (`int`, defaults to 2): shortest n-gram looked up. transformers' prompt lookup
+            goes down to single tokens. Behind a drafter, a one-token match proposes worse drafts than the drafter.
     """
 
     model_type = "retrace_drafter"
@@ -109,6 +119,9 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     draft_vocab_size: int | None = None
     num_assistant_tokens: int | None = None
     assistant_confidence_threshold: float | None = None
+    prompt_lookup_num_tokens: int | None = None
+    prompt_lookup_max_ngram_size: int = 3
+    prompt_lookup_min_ngram_size: int = 2
 
     default_theta = 1000000.0
 
@@ -155,8 +168,23 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"assistant_confidence_threshold must be in (0, 1] or None, got {self.assistant_confidence_threshold}"
             )
+        self.check_prompt_lookup(
+            self.prompt_lookup_num_tokens, self.prompt_lookup_max_ngram_size, self.prompt_lookup_min_ngram_size
+        )
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
+
+    @staticmethod
+    def check_prompt_lookup(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int) -> None:
+        """Raises `ValueError` on prompt-lookup settings that cannot work. Also called by the candidate generator,
+        since `generate`'s `prompt_lookup_num_tokens` and `max_matching_ngram_size` override the config's."""
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 1 or None (no prompt lookup), got {num_tokens}")
+        if not 1 <= min_ngram_size <= max_ngram_size:
+            raise ValueError(
+                "prompt lookup needs 1 <= prompt_lookup_min_ngram_size <= prompt_lookup_max_ngram_size (or "
+                f"max_matching_ngram_size passed to generate), got min {min_ngram_size} and max {max_ngram_size}"
+            )
 
     def _check_attention(self):
         if self.attention_bias:

@@ -98,12 +98,15 @@ class ReTraceGenerationStats:
         retained_lengths (`list[int]`): `L` handed to the NEXT round after each cycle (0 = no conditioning).
         num_conditioned_rounds (`int`): drafted rounds that received a rejected trajectory.
         num_drafter_forwards (`int`): drafter forward passes.
+        num_lookup_cycles (`int`): cycles that verified prompt-lookup candidates instead of a drafted block
+            (`config.prompt_lookup_num_tokens`); they are in `acceptance_lengths` too.
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
     retained_lengths: list[int] = field(default_factory=list)
     num_conditioned_rounds: int = 0
     num_drafter_forwards: int = 0
+    num_lookup_cycles: int = 0
 
     @property
     def tau(self) -> float:
@@ -146,19 +149,31 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     With `config.num_assistant_tokens = k < B-1` the drafter still runs its whole block (its trained shape), and the
     target verifies `[a, d1 .. dk]`: `k+1` tokens instead of `B`. The drafts are the same tokens, so greedy output
     is unchanged; ReTrace then retains slots `n+2 .. k`, the ones with verification features.
+
+    With `config.prompt_lookup_num_tokens` (or `generate(prompt_lookup_num_tokens=...)`), a cycle whose context ends
+    in an n-gram seen earlier verifies [`prompt_lookup_candidates`] instead, and the drafter does not run. The target
+    features of the tokens such cycles commit are kept, and the next drafted cycle feeds them all to the drafter, so
+    its context is the same as if it had drafted every cycle.
     """
 
-    def __init__(self, assistant_model, *args, **kwargs):
-        super().__init__(assistant_model, *args, **kwargs)
+    def __init__(self, assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config,
+                 logits_processor=None, **kwargs):  # fmt: skip
+        super().__init__(assistant_model, main_model_input_embeddings, main_model_output_embeddings,
+                         generation_config, logits_processor, **kwargs)  # fmt: skip
         self.num_assistant_tokens, self.confidence_threshold = _verification_limits(assistant_model.config)
+        self.lookup_num_tokens, self.lookup_ngram_sizes = _lookup_settings(assistant_model.config, generation_config)
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
         assistant_model.last_generation_stats = self.stats
         self.pending_trajectory: ReTraceConditioning | None = None
         self.last_draft_hidden_states: torch.Tensor | None = None
-        self._drafted = False
+        self._cycle: str | None = None  # what the last target forward verified: "draft", "lookup" or None (neither)
         self._verified = 0  # tokens in the last verification forward: the anchor and the drafts proposed
+        # Target features of committed positions 0 .. `_num_featured - 1`; those the drafter has not consumed yet
+        # (the prefill's, then those of lookup cycles) wait in `_unseen_features`, [1, U_i, F] each.
+        self._num_featured = 0
+        self._unseen_features: list[torch.Tensor] = []
         # The parent concatenates `hidden_states[i + 1]` over `target_layer_ids` for the accepted context, and
         # ReTrace needs the same layers at the rejected positions too. `get_candidates` concatenates once and hands
         # the parent that tensor as a single "layer" 0 (`hidden_states[1]`), so it only slices it.
@@ -168,13 +183,18 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
         self.pending_trajectory = None
         if model_outputs is not None and not is_first_iteration:
-            features = self._concatenated_features(model_outputs)  # [1, T_last, F]
-            if self._drafted and self.uses_trajectory:  # T_last = k+1: the verification inputs [a, d1 .. dk]
-                verified = self._verified
-                self.pending_trajectory = build_rejected_trajectory(
-                    self.last_draft_hidden_states[:, :verified], features[:, -verified:], int(n_last_matches)
-                )
-            model_outputs = _ConcatenatedFeatures(hidden_states=(None, features))
+            self._collect_features(input_ids, self._concatenated_features(model_outputs), int(n_last_matches))
+        self._cycle = None
+        lookup_ids = None if is_first_iteration else self._lookup(input_ids)
+        if lookup_ids is not None:
+            if self.pending_trajectory is not None:  # the suffix was drafted for this anchor, and nothing uses it
+                self.stats.retained_lengths[-1] = 0
+                self.pending_trajectory = None
+            self._cycle, self._verified = "lookup", lookup_ids.shape[1] - input_ids.shape[1] + 1
+            return lookup_ids, None
+        if self._unseen_features:  # the parent reads the first `n_last_matches + 1` positions of `hidden_states[1]`
+            context = torch.cat(self._unseen_features, dim=1)  # [1, U, F]: every committed position it has not seen
+            model_outputs, n_last_matches = _ConcatenatedFeatures(hidden_states=(None, context)), context.shape[1] - 1
         forwards = self.stats.num_drafter_forwards
         candidate_ids, candidate_logits = super().get_candidates(
             input_ids,
@@ -184,20 +204,55 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             n_last_matches=n_last_matches,
             **kwargs,
         )
+        if self.stats.num_drafter_forwards == forwards:  # the first iteration, or no room left for a draft
+            return candidate_ids, candidate_logits
+        self._unseen_features = []
         if candidate_logits is not None and self.confidence_threshold is not None:
             candidate_ids, candidate_logits = stop_at_low_confidence(
                 input_ids.shape[1], candidate_ids, candidate_logits, self.confidence_threshold
             )
         # a cycle is one drafter forward, even when no draft was confident enough to verify (then it commits 1 token)
-        self._drafted = self.stats.num_drafter_forwards > forwards
-        self._verified = candidate_ids.shape[1] - input_ids.shape[1] + 1
+        self._cycle, self._verified = "draft", candidate_ids.shape[1] - input_ids.shape[1] + 1
         return candidate_ids, candidate_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self._drafted:  # a verification cycle of a drafted block (prefill and final no-draft steps excluded)
+        if self._cycle is not None:  # a verification cycle (prefill and final plain steps excluded)
             n = int(num_matches)
             self.stats.acceptance_lengths.append(n + 1)
-            self.stats.retained_lengths.append(max(self._verified - 2 - n, 0) if self.uses_trajectory else 0)
+            drafted = self._cycle == "draft" and self.uses_trajectory
+            self.stats.retained_lengths.append(max(self._verified - 2 - n, 0) if drafted else 0)
+            self.stats.num_lookup_cycles += self._cycle == "lookup"
+
+    def _collect_features(self, input_ids: torch.LongTensor, features: torch.Tensor, num_matches: int) -> None:
+        """Builds the pending trajectory of a drafted cycle, and keeps the features of the newly committed positions.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(1, T)`): the committed tokens; the last one (the bonus or
+                correction) has not been through the target yet.
+            features (`torch.Tensor` of shape `(1, T_last, F)`): the last target forward's features: the prompt
+                after prefill, `[a, d1 .. dk]` after a cycle (`T_last = k+1`).
+            num_matches (`int`): drafts the last cycle accepted.
+        """
+        if self._cycle == "draft" and self.uses_trajectory:
+            verified = self._verified
+            self.pending_trajectory = build_rejected_trajectory(
+                self.last_draft_hidden_states[:, :verified], features[:, -verified:], num_matches
+            )
+        # the target has run every committed position but the newest token; the last forward ran the `new` ones not
+        # featured yet: the whole prompt after prefill, the anchor and the n accepted drafts after a cycle
+        new = input_ids.shape[1] - 1 - self._num_featured
+        self._unseen_features.append(features[:, :new])
+        self._num_featured += new
+
+    def _lookup(self, input_ids: torch.LongTensor) -> torch.LongTensor | None:
+        """`[1, T + m]`: the context and `m` prompt-lookup candidates, or `None` (lookup off, no match, no room)."""
+        if self.lookup_num_tokens is None:
+            return None
+        room = min(self.lookup_num_tokens, self.main_model_max_length - input_ids.shape[1] - 1)
+        if room <= 0:
+            return None
+        tokens = prompt_lookup_candidates(input_ids[0], room, *self.lookup_ngram_sizes)
+        return None if tokens is None else torch.cat([input_ids, tokens[None].to(input_ids.device)], dim=1)
 
     def _concatenated_features(self, model_outputs) -> torch.Tensor:
         """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
@@ -233,6 +288,44 @@ def stop_at_low_confidence(
     if keep == 0:
         return candidate_ids[:, :context_length], None
     return candidate_ids[:, : context_length + keep], candidate_logits[:, :keep]
+
+
+def prompt_lookup_candidates(
+    input_ids: torch.LongTensor, num_tokens: int, max_ngram_size: int, min_ngram_size: int = 1
+) -> torch.LongTensor | None:
+    """Prompt lookup (Saxena, 2023; transformers' `PromptLookupCandidateGenerator`): the tokens that followed the
+    earliest earlier occurrence of the context's last n-gram, trying `n = max_ngram_size` down to `min_ngram_size`.
+
+    transformers' own generator always goes down to `n = 1`; a minimum is vLLM's `prompt_lookup_min`. Candidates are
+    not cropped at EOS or checked against logits processors: `_assisted_decoding` crops what it commits at EOS, and
+    the target rejects any token its processors forbid.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(T,)`): the committed tokens, prompt and output.
+        num_tokens (`int`): most candidates returned.
+        max_ngram_size (`int`), min_ngram_size (`int`): n-gram sizes tried, longest first.
+    Returns:
+        `torch.LongTensor` of shape `(m,)`, `1 <= m <= num_tokens`, or `None` when no n-gram recurs.
+    """
+    length = input_ids.shape[0]
+    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
+        windows = input_ids.unfold(0, n, 1)[:-1]  # [T - n, n]: window i is ids[i : i+n], all but the last n-gram
+        matches = (windows == input_ids[-n:]).all(dim=1).nonzero()  # [M, 1]
+        if len(matches):  # window i ends at i+n-1 <= T-2, so at least one token follows it
+            start = int(matches[0, 0]) + n
+            return input_ids[start : start + num_tokens]
+    return None
+
+
+def _lookup_settings(config, generation_config) -> tuple[int | None, tuple[int, int]]:
+    """`(num_tokens, (max_ngram_size, min_ngram_size))` of prompt lookup: the drafter config's, overridden by
+    `generate`'s `prompt_lookup_num_tokens` and `max_matching_ngram_size` when given."""
+    num_tokens = generation_config.prompt_lookup_num_tokens
+    num_tokens = config.prompt_lookup_num_tokens if num_tokens is None else num_tokens
+    max_size = generation_config.max_matching_ngram_size or config.prompt_lookup_max_ngram_size
+    min_size = min(config.prompt_lookup_min_ngram_size, max_size)  # a smaller max given to `generate` lowers the min
+    config.check_prompt_lookup(num_tokens, max_size, min_size)
+    return num_tokens, (max_size, min_size)
 
 
 def _verification_limits(config) -> tuple[int, float | None]:
@@ -510,6 +603,7 @@ __all__ = [
     "build_rejected_trajectory",
     "draft_lm_head",
     "install_generate_hook",
+    "prompt_lookup_candidates",
     "retrace_generate",
     "stop_at_low_confidence",
     "validate_drafter_for_target",
