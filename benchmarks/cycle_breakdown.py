@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
 from hf_retrace.models.generation_retrace import DraftLMHead
-from hf_retrace.skinny_gemm import enable_skinny_gemm
+from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
 
 
 PROMPTS = [
@@ -164,7 +164,7 @@ def main():
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
     if args.skinny_gemm:
-        enable_skinny_gemm(target)
+        enable_skinny_gemm(target, tune_rows=DEFAULT_TUNE_ROWS)
     one = decode_step_ms(target, 1)
     print(f"target 1-token decoding step: {one:.1f} ms; draft head dtype {args.draft_logits_dtype or 'float32'}")
     for block_size in map(int, args.block_sizes.split(",")):
@@ -178,7 +178,7 @@ def main():
         if args.confidence_threshold is not None:
             drafter.config.assistant_confidence_threshold = args.confidence_threshold
         if args.skinny_gemm:
-            enable_skinny_gemm(drafter)
+            enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
         if args.draft_vocab_size:
             from hf_retrace.trainer.draft_vocab import most_frequent_tokens
             from hf_retrace.data.pool import read_token_shards

@@ -22,7 +22,7 @@ import torch
 import hf_retrace  # noqa: F401  (makes `assistant_model=drafter` pick ReTrace)
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
-from hf_retrace.skinny_gemm import enable_skinny_gemm
+from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-dflash"
@@ -53,8 +53,8 @@ def main():
     else:  # no trained drafter shipped yet: a fresh one (output is the target's either way, just slower)
         drafter, source = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=8).eval(), "fresh"
     if args.skinny_gemm:  # the same patched target serves both sides of the comparison
-        enable_skinny_gemm(target)
-        enable_skinny_gemm(drafter)
+        enable_skinny_gemm(target, tune_rows=DEFAULT_TUNE_ROWS)
+        enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     timed_generate(target, inputs, max_new_tokens=8)  # warmup
@@ -75,8 +75,10 @@ def main():
     print(f"\ndrafter: {source} (skinny_gemm={args.skinny_gemm}, retrace_mode={config.retrace_mode}, "
           f"block_size={config.block_size}, "
           f"num_assistant_tokens={config.num_assistant_tokens}, "
-          f"assistant_confidence_threshold={config.assistant_confidence_threshold})")
-    print(f"tau (pooled over {len(stats.acceptance_lengths)} cycles): {stats.tau:.2f}")
+          f"assistant_confidence_threshold={config.assistant_confidence_threshold}, "
+          f"prompt_lookup_num_tokens={config.prompt_lookup_num_tokens})")
+    lookups = f", {stats.num_lookup_cycles} of them prompt lookup" if stats.num_lookup_cycles else ""
+    print(f"tau (pooled over {len(stats.acceptance_lengths)} cycles{lookups}): {stats.tau:.2f}")
     kind = "ReTrace" if config.retrace_mode != "off" else "DFlash"
     print(f"target-only greedy: {new / ar_s:.1f} tok/s | {kind} speculative: {new / spec_s:.1f} tok/s "
           f"| speedup {ar_s / spec_s:.2f}x (medians of {args.repeats}) | lossless: identical {new} tokens")

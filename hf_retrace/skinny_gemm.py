@@ -14,19 +14,32 @@ what 2 do, and both less than one row through MKL's matrix-vector product. One r
 linears) keeps `nn.Linear.forward`. The result equals `linear`'s up to fp32 summation order, like any change of
 BLAS kernel. Speedups are only meaningful when the target-only baseline runs with the same setting, which the
 bench and `examples/01_generate.py` do: both run the very same patched target.
+
+The BLAS kernel behind the transposed product is itself uneven in the row count: on the repo's machine 3 rows cost
+more than 4, and 13-15 rows more than 16 (`python benchmarks/skinny_widths.py`). So `enable_skinny_gemm` times a
+pass over the model's own weights at every width up to `tune_rows` and zero-pads each row count to the cheapest
+width at or above it ([`tune_widths`]); the padded rows' outputs are dropped.
 """
 
 import functools
+import time
 
 import torch
 from torch import nn
 
 
 DEFAULT_MAX_ROWS = 64
+# what `hf-retrace bench --skinny-gemm` and `examples/01_generate.py` tune: every verification forward of the shipped
+# setting (4 tokens) and the drafter's block of 16 with its few context rows
+DEFAULT_TUNE_ROWS = 24
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = DEFAULT_MAX_ROWS
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    widths: list[int] | None = None,
 ) -> torch.Tensor:
     """`nn.functional.linear(x, weight, bias)`, as a transposed GEMM when `x` has 1..`max_rows` rows.
 
@@ -34,6 +47,9 @@ def skinny_linear(
         x: `[..., in_features]`.
         weight: `[out_features, in_features]`, contiguous (as `nn.Linear` keeps it).
         bias: `[out_features]` or `None`.
+        max_rows: most rows sent to the transposed GEMM.
+        widths: `widths[r] >= r` is the GEMM width that `r` rows are zero-padded to ([`tune_widths`]); counts
+            beyond the list are not padded. `None`: one row is padded to two, other counts are not.
 
     Returns:
         `[..., out_features]`, contiguous.
@@ -48,33 +64,83 @@ def skinny_linear(
     if not eligible:
         return nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-    if rows == 1:  # MKL's matrix-vector product is slower than this GEMM over two copies of the row
-        flat = torch.cat([flat, flat])
-    # [out, in] @ [in, rows or 2] with the right operand a transposed view: the kernel that streams the weight.
+    if widths is None:  # one row: MKL's matrix-vector product is slower than this GEMM over two rows
+        width = max(rows, 2)
+    else:
+        width = widths[rows] if rows < len(widths) else rows
+    if width > rows:
+        flat = nn.functional.pad(flat, (0, 0, 0, width - rows))  # [width, in]: zero rows after the real ones
+    # [out, in] @ [in, width] with the right operand a transposed view: the kernel that streams the weight.
     out = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # [rows, out]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _skinny_forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, module.weight, module.bias, max_rows)
+def _skinny_forward(module: nn.Linear, max_rows: int, widths: list[int] | None, x: torch.Tensor) -> torch.Tensor:
+    return skinny_linear(x, module.weight, module.bias, max_rows, widths)
 
 
-def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, tune_rows: int = 0) -> int:
     """Routes every plain `nn.Linear` of `model` through `skinny_linear` (an instance-level `forward`).
 
+    Args:
+        model: any module; its plain `nn.Linear`s are routed (exact type: quantized or LoRA subclasses have their own
+            forward).
+        max_rows: most rows sent to the transposed GEMM.
+        tune_rows: with `tune_rows > 0`, row counts up to it are padded to the widths [`tune_widths`] measures on
+            the model's fp32 CPU weights (a few seconds for a 135M model at 24 rows); `0` pads one row to two only.
     Returns:
         How many linears were routed (0 for a model without plain `nn.Linear`s).
     """
     if not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows must be a positive int (most rows sent to the transposed GEMM), got {max_rows!r}")
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:  # exact type: quantized or LoRA subclasses have their own forward
-            module.forward = functools.partial(_skinny_forward, module, max_rows)
-            count += 1
-    return count
+    if not isinstance(tune_rows, int) or not 0 <= tune_rows <= max_rows:
+        raise ValueError(f"tune_rows must be an int in [0, max_rows={max_rows}] (0: no tuning), got {tune_rows!r}")
+    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    weights = [m.weight for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    widths = tune_widths(weights, tune_rows) if tune_rows and weights else None
+    for module in linears:
+        module.forward = functools.partial(_skinny_forward, module, max_rows, widths)
+    return len(linears)
+
+
+@torch.no_grad()
+def tune_widths(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, margin: float = 0.03) -> list[int]:
+    """The GEMM width each row count `0..max_rows` is padded to: the cheapest measured width at or above it.
+
+    A count keeps its own width unless a larger one is cheaper by more than `margin`, so timing noise rarely pads.
+    Padding changes the real rows' products by fp32 summation order at most, like any change of BLAS kernel.
+
+    Args:
+        weights: the `[out, in]` fp32 CPU weights of the linears to be routed.
+    Returns:
+        `widths`, `max_rows + 1` ints with `widths[r] >= r` (`widths[0] = 0`).
+    """
+    cost = width_costs(weights, max_rows, repeats)
+    widths, cheapest = [0] * (max_rows + 1), max_rows
+    for rows in range(max_rows, 0, -1):  # `cheapest`: the best width in rows .. max_rows
+        if cost[rows] <= cost[cheapest] * (1 + margin):
+            cheapest = rows
+        widths[rows] = cheapest
+    return widths
+
+
+@torch.no_grad()
+def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2) -> list[float]:
+    """Seconds of one pass of transposed products over all `weights`, in order, at every width `1..max_rows` (best
+    of `repeats`; `[0]` is 0). One pass reads every weight once, as a forward does, so caches are as cold as there."""
+    inputs = {weight.shape[1]: torch.zeros(max_rows, weight.shape[1]) for weight in weights}
+    cost = [0.0] * (max_rows + 1)
+    for width in range(1, max_rows + 1):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for weight in weights:
+                torch.mm(weight, inputs[weight.shape[1]][:width].t())
+            best = min(best, time.perf_counter() - start)
+        cost[width] = best
+    return cost
 
 
 def disable_skinny_gemm(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ from hf_retrace.bench.methods import MethodSpec, parse_methods
 from hf_retrace.bench.run import parse_prompt_sets, torch_threads
 from hf_retrace.bench.report import first_difference
 from hf_retrace.bench.timing import ConditioningTimer
+from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS
 
 
 BLOCK = 4
@@ -273,9 +274,9 @@ def test_skinny_gemm_runs_every_method_on_the_same_kernels(assets, monkeypatch, 
     is recorded in the run info."""
     routed = []
 
-    def enable(model):
-        routed.append(type(model).__name__)
-        return bench_enable(model)
+    def enable(model, tune_rows):
+        routed.append((type(model).__name__, tune_rows))
+        return bench_enable(model, tune_rows=tune_rows)
 
     bench_enable = bench.enable_skinny_gemm
     monkeypatch.setattr(bench, "enable_skinny_gemm", enable)
@@ -284,6 +285,7 @@ def test_skinny_gemm_runs_every_method_on_the_same_kernels(assets, monkeypatch, 
             "--skinny-gemm"]  # fmt: skip
     assert bench.main(argv) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
-    assert routed == ["Qwen3ForCausalLM", "ReTraceDrafterModel"]
-    assert payload["run"]["skinny_gemm"] is True and all(row["lossless"] for row in payload["results"])
+    assert routed == [("Qwen3ForCausalLM", DEFAULT_TUNE_ROWS), ("ReTraceDrafterModel", DEFAULT_TUNE_ROWS)]
+    assert payload["run"]["skinny_gemm"] is True and payload["run"]["skinny_gemm_tune_rows"] == DEFAULT_TUNE_ROWS
+    assert all(row["lossless"] for row in payload["results"])
     assert "skinny GEMM linears" in (tmp_path / "results.md").read_text()

@@ -66,13 +66,57 @@ def test_bad_max_rows_is_a_clear_error(max_rows):
         enable_skinny_gemm(nn.Linear(4, 4), max_rows=max_rows)
 
 
-@pytest.mark.parametrize("mode", ["off", "corrected"])
-def test_greedy_stays_lossless_with_skinny_gemm(mode):
-    """Verification forwards (B rows) and target-only steps (1 row, duplicated) both take the transposed GEMM."""
+@pytest.mark.parametrize("rows, widths", [(3, [0, 2, 2, 4, 4]), (1, [0, 4]), (2, [0, 4, 2]), (5, [0, 4, 4, 4, 4])])
+def test_padded_widths_give_linear_result(rows, widths):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, rows, 24), torch.randn(40, 24), torch.randn(40)
+    out = skinny_linear(x, weight, bias, widths=widths)  # 5 rows: beyond the list, not padded
+    assert out.shape == (1, rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_reaches_the_gemm(monkeypatch):
+    widths_seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: widths_seen.append(b.shape[1]) or mm(a, b))
+    weight = torch.randn(40, 24)
+    for rows in (1, 2, 3):
+        skinny_linear(torch.randn(rows, 24), weight, widths=[0, 4, 2, 4])
+    skinny_linear(torch.randn(1, 24), weight)  # untuned: one row padded to two
+    assert widths_seen == [4, 2, 4, 2]
+
+
+def test_tuned_widths_pick_the_cheapest_width_at_or_above(monkeypatch):
+    costs = [0.0, 5.0, 2.0, 3.0, 1.0, 4.0, 4.05]  # seconds per width 1..6
+    monkeypatch.setattr(skinny_gemm, "width_costs", lambda weights, max_rows, repeats: costs[: max_rows + 1])
+    # 1-3 pad to 4, the cheapest; 5 and 6 keep their own width (nothing above them is cheaper by over 3%)
+    assert skinny_gemm.tune_widths([], 6) == [0, 4, 4, 4, 4, 5, 6]
+    assert skinny_gemm.tune_widths([], 3) == [0, 2, 2, 3]
+
+
+def test_width_costs_time_every_width():
+    cost = skinny_gemm.width_costs([torch.randn(64, 24), torch.randn(24, 64)], 5, repeats=1)
+    assert len(cost) == 6 and cost[0] == 0.0 and all(c > 0 for c in cost[1:])
+    widths = skinny_gemm.tune_widths([torch.randn(64, 24)], 5, repeats=1)
+    assert widths[0] == 0 and all(r <= w <= 5 for r, w in enumerate(widths))
+
+
+def test_enable_with_tuning_hands_the_widths_to_every_linear(monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows: [0, 2, 2, 4, 4][: rows + 1])
+    target = make_target("llama")
+    enable_skinny_gemm(target, max_rows=8, tune_rows=4)
+    forwards = [m.forward for m in target.modules() if type(m) is nn.Linear]
+    assert forwards and all(f.args[2] == [0, 2, 2, 4, 4] for f in forwards)
+    with pytest.raises(ValueError, match="tune_rows must be an int in"):
+        enable_skinny_gemm(target, max_rows=8, tune_rows=9)
+
+
+@pytest.mark.parametrize("mode, tune_rows", [("off", 0), ("corrected", 0), ("corrected", 8)])
+def test_greedy_stays_lossless_with_skinny_gemm(mode, tune_rows):
+    """Verification forwards (B rows) and target-only steps (1 row, padded) both take the transposed GEMM."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode=mode)
     stock = [target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24) for i in range(4)]
-    enable_skinny_gemm(target), enable_skinny_gemm(drafter)
+    enable_skinny_gemm(target, tune_rows=tune_rows), enable_skinny_gemm(drafter, tune_rows=tune_rows)
     accepted = []
     for i, expected in enumerate(stock):
         prompt = random_prompt(5, seed=i)

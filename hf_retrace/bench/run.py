@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..data.prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
-from ..skinny_gemm import enable_skinny_gemm
+from ..skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
 from .methods import Generation, Method, parse_methods
 from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
 from .stats import paired_tau_table
@@ -154,7 +154,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--skinny-gemm", action="store_true",
         help="few-row fp32 CPU linears as a transposed GEMM (hf_retrace.skinny_gemm), in the target and every drafter,"
-             " so every method, `ar` included, runs the same kernels",
+             " so every method, `ar` included, runs the same kernels; row counts up to 24 padded to tuned widths",
     )  # fmt: skip
     parser.add_argument(
         "--baseline", default=None,
@@ -195,7 +195,7 @@ def _run(args: argparse.Namespace) -> int:
     methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
     if args.skinny_gemm:
         for model in [target] + [m.drafter for m in methods if m.drafter is not None]:
-            enable_skinny_gemm(model)
+            enable_skinny_gemm(model, tune_rows=DEFAULT_TUNE_ROWS)
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip
     generate_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -216,6 +216,7 @@ def _run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "draft_logits_dtype": args.draft_logits_dtype,
         "skinny_gemm": args.skinny_gemm,
+        "skinny_gemm_tune_rows": DEFAULT_TUNE_ROWS if args.skinny_gemm else 0,
         "methods": [asdict(m.spec) for m in methods],
         "prompt_sets": args.prompt_sets,
         "prompt_seed": args.prompt_seed,
