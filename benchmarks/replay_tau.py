@@ -6,8 +6,10 @@ then each drafter is scored by [`hf_retrace.bench.replay`]: the acceptance at ev
 decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace bench` reports it; `anchor_mean` is
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
-`--max-new-tokens` and `--draft-logits-dtype`). `--num-assistant-tokens 2,3` and `--confidence-thresholds 0.3,0.4`
-add arms that verify fewer drafts per cycle (the drafter config settings of those names); `verified` is the mean
+`--max-new-tokens` and `--draft-logits-dtype`). `--prompt-lookup-num-tokens 3` adds each arm again with prompt
+lookup in front of the drafter (`config.prompt_lookup_num_tokens`). `--num-assistant-tokens 2,3` and
+`--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the drafter config settings of those
+names); `verified` is the mean
 tokens per verification forward, which with `benchmarks/verification_cost.py` prices a cycle. `--pool-rows
 START:END` replays rows of the token pool instead (the target's greedy responses, up to 256 tokens, in generation
 order): rows newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to
@@ -48,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         "--confidence-thresholds", default="",
         help="comma-separated t: also replay cycles under assistant_confidence_threshold = t",
     )  # fmt: skip
+    parser.add_argument(
+        "--prompt-lookup-num-tokens", type=int, default=None,
+        help="also replay every arm with prompt lookup of this many tokens in front of the drafter",
+    )  # fmt: skip
+    parser.add_argument("--prompt-lookup-ngram-sizes", default="3,2", help="MAX,MIN n-gram sizes of that lookup")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
     caps = [int(k) for k in args.num_assistant_tokens.split(",") if k]
@@ -72,12 +79,19 @@ def main(argv: list[str] | None = None) -> None:
                    for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
         sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
-    print(f"{'drafter':<18}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
+    lookups = None
+    if args.prompt_lookup_num_tokens:
+        from hf_retrace.bench.replay import lookup_acceptance
+
+        max_size, min_size = (int(n) for n in args.prompt_lookup_ngram_sizes.split(","))
+        lookups = [lookup_acceptance(seq, ids.shape[1], args.prompt_lookup_num_tokens, max_size, min_size)
+                   for (_, ids), seq in zip(prompts, sequences)]  # fmt: skip
+    print(f"{'drafter':<24}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
     for name, _, folder in drafters:
         drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
         if args.draft_logits_dtype != "none":
             drafter.config.draft_logits_dtype = args.draft_logits_dtype
-        _report(name, drafter, target, prompts, sequences, bench.get(name), arms)
+        _report(name, drafter, target, prompts, sequences, bench.get(name), arms, lookups)
 
 
 def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> list[torch.LongTensor]:
@@ -122,22 +136,26 @@ def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
     return {m: [c for _, _, c in sorted(rows, key=lambda r: (order[r[0]], r[1]))] for m, rows in by_method.items()}
 
 
-def _report(name, drafter, target, prompts, sequences, bench_cycles, arms) -> None:
+def _report(name, drafter, target, prompts, sequences, bench_cycles, arms, lookups=None) -> None:
     from hf_retrace.bench.replay import ReplayResult, anchor_scores
 
     scores = [anchor_scores(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
-    for cap, threshold in arms:  # the scores do not depend on the arm: one target forward per prompt serves all
+    with_lookup = [False] + [True] * (lookups is not None)
+    # the scores do not depend on the arm: one target forward per prompt serves all
+    for (cap, threshold), lookup in ((arm, lookup) for lookup in with_lookup for arm in arms):
         limits = dict(num_assistant_tokens=cap, assistant_confidence_threshold=threshold)
         per_set: dict[str, ReplayResult] = {}
         pooled, matches = ReplayResult(**limits), 0
         for i, ((label, _), prompt_scores) in enumerate(zip(prompts, scores)):
-            per_set.setdefault(label, ReplayResult(**limits)).add(prompt_scores)
-            pooled.add(prompt_scores)
+            prompt_lookups = lookups[i] if lookup else None
+            per_set.setdefault(label, ReplayResult(**limits)).add(prompt_scores, prompt_lookups)
+            pooled.add(prompt_scores, prompt_lookups)
             matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
         arm = name + (f" k={cap}" if cap is not None else "") + (f" t={threshold}" if threshold is not None else "")
+        arm += " +lookup" if lookup else ""
         for label, result in [*per_set.items(), ("pooled", pooled)]:
             match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
-            print(f"{arm:<18}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}"
+            print(f"{arm:<24}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}"
                   f"{result.mean_verified:>10.2f}{match:>13}")  # fmt: skip
 
 

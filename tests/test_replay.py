@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target, random_prompt
-from hf_retrace.bench.replay import ReplayResult, anchor_acceptance, anchor_scores, replay_cycles
+from hf_retrace.bench.replay import (
+    ReplayResult, anchor_acceptance, anchor_scores, lookup_acceptance, replay_cycles,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,40 @@ def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_ass
             break
     assert lengths_seen == expected_lengths  # every acceptance length occurred, so the walk was really exercised
     assert replay.tau == pytest.approx(sum(map(sum, generated)) / sum(map(len, generated)))
+
+
+@pytest.mark.parametrize("num_assistant_tokens", [None, 2])
+def test_replayed_cycles_with_prompt_lookup_are_the_generated_ones(num_assistant_tokens):
+    """Prompt lookup in front of the drafter: the walk takes the lookup's candidates where an n-gram recurs and the
+    drafter's block elsewhere, which reproduces generation (and its verification widths) cycle for cycle."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off")
+    drafter.config.num_assistant_tokens = num_assistant_tokens
+    drafter.config.prompt_lookup_num_tokens = 3
+    replay, lookup_cycles = ReplayResult(num_assistant_tokens=num_assistant_tokens), 0
+    widths = []
+    target.register_forward_hook(lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]),
+                                 with_kwargs=True)  # fmt: skip
+    for i in range(6):
+        prompt = random_prompt(4 + i, seed=20 + i)
+        widths.clear()
+        out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=30, assistant_model=drafter)
+        stats = drafter.last_generation_stats
+        lookups = lookup_acceptance(out, prompt.shape[1], 3, 3, 2)
+        replay.add(anchor_acceptance(target, drafter, out, prompt.shape[1]), lookups)
+        assert replay.cycles[-1] == stats.acceptance_lengths, f"prompt {i}"
+        if num_assistant_tokens is not None:  # every cycle's width is known: the lookup's m + 1, or k + 1
+            assert replay.verified[-1] == widths[1 : 1 + len(stats.acceptance_lengths)], f"prompt {i}"
+        lookup_cycles += stats.num_lookup_cycles
+    assert lookup_cycles > 5  # the lookup branch of the walk was exercised
+
+
+def test_lookup_acceptance_scores_the_candidates_at_every_anchor():
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 9]])  # prompt [1, 2, 3]; anchors at positions 3 .. 7
+    # anchor 3 ([1, 2, 3, 1]): single tokens only, below the minimum of 2; anchor 4 ((1, 2) recurs): [3, 1, 2]
+    # against [3, 1, 2]: 3 accepted; anchor 5 ((1, 2, 3) recurs): [1, 2, 3] against [1, 2, 9]: 2; anchor 6
+    # ((2, 3, 1) at 1): [2, 3, 1] against [2, 9]: 1; anchor 7 ((3, 1, 2) at 2): [3, 1, 2] against [9]: 0
+    assert lookup_acceptance(ids, 3, num_tokens=3) == [None, (3, 3), (3, 2), (3, 1), (3, 0)]
 
 
 def test_the_walk_weights_cycles_not_anchors():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.generation_retrace import draft_lm_head
+from ..models.generation_retrace import draft_lm_head, prompt_lookup_candidates
 
 
 @torch.no_grad()
@@ -88,8 +88,38 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
     return anchor_scores(target, drafter, input_ids, prompt_length).acceptance
 
 
+def lookup_acceptance(
+    input_ids: torch.LongTensor, prompt_length: int, num_tokens: int, max_ngram_size: int = 3, min_ngram_size: int = 2
+) -> list[tuple[int, int] | None]:
+    """Prompt lookup in front of the drafter (`config.prompt_lookup_num_tokens`), at every response anchor: what
+    [`prompt_lookup_candidates`] proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)`
+    (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(1, T)`): prompt, then the target's greedy continuation.
+        prompt_length (`int`): `P`; anchors are `P .. T-2`, as in [`anchor_scores`].
+    """
+    ids = input_ids[0]
+    out = []
+    for p in range(prompt_length, ids.shape[0] - 1):
+        candidates = prompt_lookup_candidates(ids[: p + 1], num_tokens, max_ngram_size, min_ngram_size)
+        if candidates is None:
+            out.append(None)
+            continue
+        accepted = 0
+        for candidate, label in zip(candidates.tolist(), ids[p + 1 :].tolist()):
+            if candidate != label:
+                break
+            accepted += 1
+        out.append((len(candidates), accepted))
+    return out
+
+
 def replay_cycles(
-    acceptance: list[int], num_assistant_tokens: int | None = None, proposed: list[int] | None = None
+    acceptance: list[int],
+    num_assistant_tokens: int | None = None,
+    proposed: list[int] | None = None,
+    lookups: list[tuple[int, int] | None] | None = None,
 ) -> list[int]:
     """The committed length `a_p + 1` of each cycle greedy decoding runs, walking from the first anchor.
 
@@ -98,17 +128,27 @@ def replay_cycles(
     when exactly one is missing the target takes a plain step, which is not a drafted cycle. `num_assistant_tokens`
     replays generation that verifies only the first k drafts of each block, and `proposed[i]` (from
     [`AnchorScores.proposed`]) the drafts a confidence stop leaves at anchor `i`: `a_p` is capped by both, since the
-    drafter still runs its full block and the drafts it proposes are the ones `acceptance` scored.
+    drafter still runs its full block and the drafts it proposes are the ones `acceptance` scored. `lookups[i]`
+    (from [`lookup_acceptance`]) replays prompt lookup in front of the drafter: where it is not `None`, the cycle
+    verifies those candidates instead of drafts.
     """
-    return [committed for _, committed in _walk(acceptance, num_assistant_tokens, proposed)]
+    return [committed for _, committed in _walk(acceptance, num_assistant_tokens, proposed, lookups)]
 
 
-def _walk(acceptance: list[int], num_assistant_tokens: int | None, proposed: list[int] | None):
+def _walk(acceptance: list[int], num_assistant_tokens: int | None, proposed: list[int] | None, lookups=None):
     """Yields `(drafts verified, tokens committed)` per replayed cycle; see [`replay_cycles`]. The drafts verified
     are not capped by the sequence end (transformers verifies the whole proposal and crops after), and are `None`
     when neither a cap nor `proposed` says how many there were."""
     position = 0
     while position < len(acceptance) - 1:  # with one token left, generation takes a plain target step, no draft
+        missing = len(acceptance) - position - 1
+        if lookups is not None and lookups[position] is not None:
+            # generation caps the candidates at the tokens still missing before `max_length`: exact for sequences
+            # that end there, as the bench's do
+            candidates, accepted = lookups[position]
+            yield min(candidates, missing), min(accepted, missing) + 1
+            position += min(accepted, missing) + 1
+            continue
         limits = [num_assistant_tokens] if num_assistant_tokens is not None else []
         limits += [proposed[position]] if proposed is not None else []
         drafts = min(limits) if limits else None
@@ -145,8 +185,9 @@ class ReplayResult:
         """Mean tokens per verification forward (the anchor and the proposed drafts): what sets a cycle's cost."""
         return sum(map(sum, self.verified)) / max(sum(map(len, self.verified)), 1)
 
-    def add(self, scores: "AnchorScores | list[int]") -> None:
-        """Adds one prompt: its [`AnchorScores`], or its bare acceptance when there is no confidence stop."""
+    def add(self, scores: "AnchorScores | list[int]", lookups: list[tuple[int, int] | None] | None = None) -> None:
+        """Adds one prompt: its [`AnchorScores`], or its bare acceptance when there is no confidence stop, and with
+        `lookups` ([`lookup_acceptance`]) prompt lookup in front of the drafter."""
         threshold = self.assistant_confidence_threshold
         if isinstance(scores, AnchorScores):
             acceptance = scores.acceptance
@@ -156,12 +197,13 @@ class ReplayResult:
             acceptance, proposed = scores, None
         else:
             raise ValueError("a confidence stop needs the slot confidences: pass anchor_scores(...), not acceptance")
-        walk = list(_walk(acceptance, self.num_assistant_tokens, proposed))
+        walk = list(_walk(acceptance, self.num_assistant_tokens, proposed, lookups))
         self.acceptance.append(acceptance)
         self.cycles.append([committed for _, committed in walk])
         self.verified.append([drafts + 1 for drafts, _ in walk if drafts is not None])
 
 
 __all__ = [
-    "AnchorScores", "ReplayResult", "anchor_acceptance", "anchor_scores", "replay_cycles", "target_features",
+    "AnchorScores", "ReplayResult", "anchor_acceptance", "anchor_scores", "lookup_acceptance", "replay_cycles",
+    "target_features",
 ]  # fmt: skip
