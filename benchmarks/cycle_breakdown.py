@@ -12,7 +12,8 @@ Every part is timed by wrapping the call that does it, during real `generate(...
 Also printed: a 1-token target decoding step, and the verification forward's cost in those steps, for each B.
 Usage: `python benchmarks/cycle_breakdown.py --drafter model_cards/smollm2-135m-dflash --block-sizes 8,16`
 (`--compile`: the drafter under `torch.compile`; `--skinny-gemm`: target and drafter with `hf_retrace.skinny_gemm`;
-`--num-assistant-tokens K --confidence-threshold T` override the drafter config's verification setting).
+`--num-assistant-tokens K --confidence-threshold T` override the drafter config's verification setting, and
+`--prompt-lookup-num-tokens M` its prompt lookup, 0 for none: then every cycle is drafted).
 A drafter trained with B = 16 run at B = 8 drafts the first 7 slots of its block (the time is what matters here).
 """
 
@@ -102,7 +103,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
             timers.seconds["draft head"] += time.perf_counter() - start
 
     DraftLMHead.forward = head_forward
-    total, cycles = 0.0, 0
+    total, cycles, lookups = 0.0, 0, 0
     try:
         for prompt in PROMPTS:
             inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -111,6 +112,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
             target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
             total += time.perf_counter() - start
             cycles += len(drafter.last_generation_stats.acceptance_lengths)
+            lookups += drafter.last_generation_stats.num_lookup_cycles
     finally:
         target.forward = original_forward
         DraftLMHead.forward = head_original
@@ -128,7 +130,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
         "draft head": s["draft head"],
     }
     parts["bookkeeping"] = total - s["prefill"] - sum(parts.values())
-    return {"cycles": cycles, "per_cycle_ms": {k: 1000 * v / cycles for k, v in parts.items()}}
+    return {"cycles": cycles, "lookups": lookups, "per_cycle_ms": {k: 1000 * v / cycles for k, v in parts.items()}}
 
 
 @torch.no_grad()
@@ -160,6 +162,7 @@ def main():
     parser.add_argument("--skinny-gemm", action="store_true", help="few-row linears as a transposed GEMM")
     parser.add_argument("--num-assistant-tokens", type=int, default=None, help="verify only the first k drafts")
     parser.add_argument("--confidence-threshold", type=float, default=None, help="stop drafts below this probability")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt lookup in front (0: off)")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     target, tokenizer = load_default_target(torch.float32)
@@ -177,6 +180,8 @@ def main():
             drafter.config.num_assistant_tokens = args.num_assistant_tokens
         if args.confidence_threshold is not None:
             drafter.config.assistant_confidence_threshold = args.confidence_threshold
+        if args.prompt_lookup_num_tokens is not None:
+            drafter.config.prompt_lookup_num_tokens = args.prompt_lookup_num_tokens or None
         if args.skinny_gemm:
             enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
         if args.draft_vocab_size:
@@ -200,7 +205,7 @@ def main():
         overhead = sum(v for k, v in parts.items() if k != "verification")
         print(f"\ndraft vocabulary: {drafter.config.draft_vocab_size or 'full'}")
         print(f"B = {block_size}: {width}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
-              f"{result['cycles']} cycles")  # fmt: skip
+              f"{result['cycles']} cycles, {result['lookups']} of them prompt lookup")  # fmt: skip
         for name, ms in parts.items():
             print(f"  {name:<14}{ms:>8.1f} ms/cycle")
         print(f"  non-verification work = {overhead / parts['verification']:.0%} of the verification forward")
