@@ -93,9 +93,14 @@ def test_parse_methods():
     assert (specs[4].folder, specs[4].retrace_mode) == ("/x:y/d", "gated")
     assert (specs[5].folder, specs[5].retrace_mode) == ("/x:y", None)  # ":y" is no mode: part of the path
     assert parse_methods("prompt_lookup")[1].num_lookup_tokens == methods.DEFAULT_LOOKUP_TOKENS
+    lookups = parse_methods("prompt_lookup,pl3=prompt_lookup:3")  # several lookup arms in one run
+    assert lookups[1:] == [MethodSpec("prompt_lookup", "prompt_lookup", num_lookup_tokens=10),
+                           MethodSpec("pl3", "prompt_lookup", num_lookup_tokens=3)]  # fmt: skip
 
 
-@pytest.mark.parametrize("bad", ["dflash=/d:gated", "x=/a,x=/b", "nonsense", "ar=/d", "x="])
+@pytest.mark.parametrize(
+    "bad", ["dflash=/d:gated", "x=/a,x=/b", "nonsense", "ar=/d", "x=", "pl=prompt_lookup:0", "pl=prompt_lookup:x"]
+)
 def test_parse_methods_rejects(bad):
     with pytest.raises(ValueError):
         parse_methods(bad)

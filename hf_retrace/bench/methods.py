@@ -47,7 +47,8 @@ class MethodSpec:
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
-    """Parses `ar,prompt_lookup[=K],dflash=FOLDER,NAME=FOLDER[:MODE],...`; `ar` is prepended when absent."""
+    """Parses `ar,prompt_lookup[=K],NAME=prompt_lookup:K,dflash=FOLDER,NAME=FOLDER[:MODE],...`; `ar` is prepended
+    when absent."""
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, has_value, value = item.partition("=")
@@ -57,6 +58,11 @@ def parse_methods(text: str) -> list[MethodSpec]:
             specs.append(
                 MethodSpec(name, "prompt_lookup", num_lookup_tokens=int(value) if has_value else DEFAULT_LOOKUP_TOKENS)
             )
+        elif has_value and value.startswith("prompt_lookup:") and name not in (REFERENCE, "pooled"):
+            tokens = value.partition(":")[2]
+            if not tokens.isdigit() or int(tokens) < 1:
+                raise ValueError(f"expected NAME=prompt_lookup:K with K >= 1 lookup tokens, got {item!r}")
+            specs.append(MethodSpec(name, "prompt_lookup", num_lookup_tokens=int(tokens)))
         elif has_value and value and name not in (REFERENCE, "pooled"):
             folder, mode = split_retrace_mode(value)
             if name == "dflash":
@@ -68,7 +74,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
             specs.append(MethodSpec(name, "drafter", folder, mode))
         else:
             raise ValueError(
-                f"cannot parse method {item!r}; expected ar, prompt_lookup[=K], dflash=FOLDER or NAME=FOLDER[:MODE]"
+                f"cannot parse method {item!r}; expected ar, prompt_lookup[=K], NAME=prompt_lookup:K, "
+                "dflash=FOLDER or NAME=FOLDER[:MODE]"
             )
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):

@@ -10,6 +10,7 @@ Methods (comma separated; `ar` is added first when missing, it is the reference)
 
     ar                    target-only decoding
     prompt_lookup[=K]     transformers' prompt lookup decoding, `prompt_lookup_num_tokens=K` (default 10)
+    NAME=prompt_lookup:K  the same under another name, so one run can compare several K
     dflash=FOLDER         the drafter in FOLDER run with `retrace_mode="off"` (plain DFlash)
     NAME=FOLDER[:MODE]    the drafter in FOLDER, as saved or with `retrace_mode` MODE (off|overwrite|gated|corrected)
 
@@ -139,7 +140,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default="default", help="`default` (SmolLM2-135M-Instruct) or a model folder")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="fp32: exact lossless check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--methods", default="ar", help="ar,prompt_lookup[=K],dflash=FOLDER,NAME=FOLDER[:MODE]")
+    parser.add_argument(
+        "--methods", default="ar", help="ar,prompt_lookup[=K],NAME=prompt_lookup:K,dflash=FOLDER,NAME=FOLDER[:MODE]"
+    )
     parser.add_argument("--prompt-sets", default="gsm_symbolic:20", help="NAME[:COUNT],... (see module doc)")
     parser.add_argument("--prompt-seed", type=int, default=EVAL_SEED_OFFSET, help="evaluation seeds start at 10000")
     parser.add_argument("--max-new-tokens", type=int, default=256)
