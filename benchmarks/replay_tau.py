@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompt_lookup_num_tokens:
         from hf_retrace.bench.replay import lookup_acceptance
 
-        max_size, min_size = (int(n) for n in args.prompt_lookup_ngram_sizes.split(","))
+        sizes = args.prompt_lookup_ngram_sizes.split(",")
+        if len(sizes) != 2 or not all(n.isdigit() for n in sizes) or not 1 <= int(sizes[1]) <= int(sizes[0]):
+            parser.error(f"--prompt-lookup-ngram-sizes {args.prompt_lookup_ngram_sizes!r}: expected MAX,MIN with "
+                         "1 <= MIN <= MAX, e.g. 3,2")  # fmt: skip
+        max_size, min_size = int(sizes[0]), int(sizes[1])
         lookups = [lookup_acceptance(seq, ids.shape[1], args.prompt_lookup_num_tokens, max_size, min_size)
                    for (_, ids), seq in zip(prompts, sequences)]  # fmt: skip
     print(f"{'drafter':<24}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")

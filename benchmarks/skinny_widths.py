@@ -25,16 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
 
     from hf_retrace.bench.run import load_target
-    from hf_retrace.skinny_gemm import tune_widths, width_costs
+    from hf_retrace.skinny_gemm import cheapest_widths, width_costs
 
     target, _ = load_target("default", torch.float32, "cpu")
     weights = [m.weight for m in target.modules() if type(m) is nn.Linear]
-    cost = width_costs(weights, args.max_rows, args.repeats)
     start = time.perf_counter()
-    widths = tune_widths(weights, args.max_rows)
+    cost = width_costs(weights, args.max_rows, args.repeats)
     seconds = time.perf_counter() - start
-    print(f"# {len(weights)} linears, {args.num_threads} threads, best of {args.repeats}; tune_widths took "
-          f"{seconds:.1f} s")
+    widths = cheapest_widths(cost)  # what `enable_skinny_gemm(..., tune_rows=max_rows)` pads to
+    print(f"# {len(weights)} linears, {args.num_threads} threads, best of {args.repeats}; timing took {seconds:.1f} s")
     for rows in range(1, args.max_rows + 1):
         padded = widths[rows]
         note = f"  -> padded to {padded} ({cost[padded] / cost[1]:.2f}x)" if padded != rows else ""

@@ -117,7 +117,13 @@ def tune_widths(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, ma
     Returns:
         `widths`, `max_rows + 1` ints with `widths[r] >= r` (`widths[0] = 0`).
     """
-    cost = width_costs(weights, max_rows, repeats)
+    return cheapest_widths(width_costs(weights, max_rows, repeats), margin)
+
+
+def cheapest_widths(cost: list[float], margin: float = 0.03) -> list[int]:
+    """`widths[r]`: the cheapest width at or above `r` by `cost` (`cost[w]`, seconds at width `w`, `cost[0]` unused),
+    keeping `r` itself unless a larger width is cheaper by more than `margin`."""
+    max_rows = len(cost) - 1
     widths, cheapest = [0] * (max_rows + 1), max_rows
     for rows in range(max_rows, 0, -1):  # `cheapest`: the best width in rows .. max_rows
         if cost[rows] <= cost[cheapest] * (1 + margin):

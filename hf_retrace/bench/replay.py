@@ -73,14 +73,19 @@ def anchor_scores(target, drafter, input_ids: torch.LongTensor, prompt_length: i
         slots[0, 0] = ids[p]
         states = drafter(embed(slots), features[:, :p]).last_hidden_state  # [1, B, H], positions 0 .. p+B-1
         confidence, drafts = head(states[:, 1:]).float().softmax(-1).max(dim=-1)  # [1, B-1] each: slots 1 .. B-1
-        accepted = 0
-        for draft, label in zip(drafts[0].tolist(), ids[p + 1 :]):  # zip stops at the sequence end
-            if draft != label:
-                break
-            accepted += 1
-        scores.acceptance.append(accepted)
+        scores.acceptance.append(_leading_matches(drafts[0].tolist(), ids[p + 1 :]))
         scores.confidence.append(confidence[0].tolist())
     return scores
+
+
+def _leading_matches(proposed: list[int], labels: list[int]) -> int:
+    """How many leading `proposed` tokens equal `labels` (greedy acceptance; stops at the shorter list)."""
+    accepted = 0
+    for token, label in zip(proposed, labels):
+        if token != label:
+            break
+        accepted += 1
+    return accepted
 
 
 def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_length: int) -> list[int]:
@@ -106,12 +111,7 @@ def lookup_acceptance(
         if candidates is None:
             out.append(None)
             continue
-        accepted = 0
-        for candidate, label in zip(candidates.tolist(), ids[p + 1 :].tolist()):
-            if candidate != label:
-                break
-            accepted += 1
-        out.append((len(candidates), accepted))
+        out.append((len(candidates), _leading_matches(candidates.tolist(), ids[p + 1 :].tolist())))
     return out
 
 

@@ -193,7 +193,8 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             self._cycle, self._verified = "lookup", lookup_ids.shape[1] - input_ids.shape[1] + 1
             return lookup_ids, None
         if self._unseen_features:  # the parent reads the first `n_last_matches + 1` positions of `hidden_states[1]`
-            context = torch.cat(self._unseen_features, dim=1)  # [1, U, F]: every committed position it has not seen
+            unseen = self._unseen_features  # [1, U, F]: every committed position it has not seen
+            context = unseen[0] if len(unseen) == 1 else torch.cat(unseen, dim=1)
             model_outputs, n_last_matches = _ConcatenatedFeatures(hidden_states=(None, context)), context.shape[1] - 1
         forwards = self.stats.num_drafter_forwards
         candidate_ids, candidate_logits = super().get_candidates(
