@@ -7,7 +7,8 @@ decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace benc
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
 `--max-new-tokens` and `--draft-logits-dtype`). `--prompt-lookup-num-tokens 3` adds each arm again with prompt
-lookup in front of the drafter (`config.prompt_lookup_num_tokens`). `--num-assistant-tokens 2,3` and
+lookup in front of the drafter (`config.prompt_lookup_num_tokens`), and `--datastore` with each drafter's datastore
+lookup behind it (`config.datastore_num_tokens`). `--num-assistant-tokens 2,3` and
 `--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the drafter config settings of those
 names); `verified` is the mean
 tokens per verification forward, which with `benchmarks/verification_cost.py` prices a cycle. `--pool-rows
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also replay every arm with prompt lookup of this many tokens in front of the drafter",
     )  # fmt: skip
     parser.add_argument("--prompt-lookup-ngram-sizes", default="3,2", help="MAX,MIN n-gram sizes of that lookup")
+    parser.add_argument(
+        "--datastore", action="store_true",
+        help="also replay every arm with each drafter's datastore lookup (`hf-retrace datastore`) in front of it, "
+        "behind prompt lookup when --prompt-lookup-num-tokens is given",
+    )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
     caps = [int(k) for k in args.num_assistant_tokens.split(",") if k]
@@ -79,23 +85,42 @@ def main(argv: list[str] | None = None) -> None:
                    for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
         sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
-    lookups = None
+    lookup = None  # (num_tokens, max_size, min_size) of prompt lookup, or None
     if args.prompt_lookup_num_tokens:
-        from hf_retrace.bench.replay import lookup_acceptance
-
         sizes = args.prompt_lookup_ngram_sizes.split(",")
         if len(sizes) != 2 or not all(n.isdigit() for n in sizes) or not 1 <= int(sizes[1]) <= int(sizes[0]):
             parser.error(f"--prompt-lookup-ngram-sizes {args.prompt_lookup_ngram_sizes!r}: expected MAX,MIN with "
                          "1 <= MIN <= MAX, e.g. 3,2")  # fmt: skip
-        max_size, min_size = int(sizes[0]), int(sizes[1])
-        lookups = [lookup_acceptance(seq, ids.shape[1], args.prompt_lookup_num_tokens, max_size, min_size)
-                   for (_, ids), seq in zip(prompts, sequences)]  # fmt: skip
-    print(f"{'drafter':<24}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
+        lookup = (args.prompt_lookup_num_tokens, int(sizes[0]), int(sizes[1]))
+    lookups = _lookups(prompts, sequences, lookup, None) if lookup and not args.datastore else None
+    print(f"{'drafter':<32}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
     for name, _, folder in drafters:
         drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
         if args.draft_logits_dtype != "none":
             drafter.config.draft_logits_dtype = args.draft_logits_dtype
-        _report(name, drafter, target, prompts, sequences, bench.get(name), arms, lookups)
+        if args.datastore:  # each drafter's own datastore, behind prompt lookup as in generation
+            lookups = _lookups(prompts, sequences, lookup, _datastore(drafter, folder, parser))
+        lookup_label = " +" + "+".join(["lookup"] * bool(lookup) + ["datastore"] * args.datastore)
+        _report(name, drafter, target, prompts, sequences, bench.get(name), arms, lookups, lookup_label)
+
+
+def _lookups(prompts, sequences, lookup: tuple[int, int, int] | None, datastore) -> list:
+    """Per prompt, [`lookup_acceptance`] at every anchor: prompt lookup `(num_tokens, max, min)`, then `datastore`."""
+    from hf_retrace.bench.replay import lookup_acceptance
+
+    num_tokens, max_size, min_size = lookup if lookup else (None, 3, 2)
+    return [lookup_acceptance(seq, ids.shape[1], num_tokens, max_size, min_size, datastore)
+            for (_, ids), seq in zip(prompts, sequences)]  # fmt: skip
+
+
+def _datastore(drafter, folder: str, parser):
+    """The drafter's [`NgramDatastore`] under its config's settings; a parser error when it has none."""
+    config = drafter.config
+    if config.datastore_num_tokens is None:
+        parser.error(f"--datastore: {folder} has no datastore lookup (config.datastore_num_tokens is unset); attach "
+                     "one with `hf-retrace datastore`")  # fmt: skip
+    return drafter.datastore(config.datastore_num_tokens, config.datastore_max_ngram_size,
+                             config.datastore_min_ngram_size)  # fmt: skip
 
 
 def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> list[torch.LongTensor]:
@@ -140,7 +165,9 @@ def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
     return {m: [c for _, _, c in sorted(rows, key=lambda r: (order[r[0]], r[1]))] for m, rows in by_method.items()}
 
 
-def _report(name, drafter, target, prompts, sequences, bench_cycles, arms, lookups=None) -> None:
+def _report(
+    name, drafter, target, prompts, sequences, bench_cycles, arms, lookups=None, lookup_label=" +lookup"
+) -> None:
     from hf_retrace.bench.replay import ReplayResult, anchor_scores
 
     scores = [anchor_scores(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
@@ -156,10 +183,10 @@ def _report(name, drafter, target, prompts, sequences, bench_cycles, arms, looku
             pooled.add(prompt_scores, prompt_lookups)
             matches += bench_cycles is not None and pooled.cycles[-1] == bench_cycles[i]
         arm = name + (f" k={cap}" if cap is not None else "") + (f" t={threshold}" if threshold is not None else "")
-        arm += " +lookup" if lookup else ""
+        arm += lookup_label if lookup else ""
         for label, result in [*per_set.items(), ("pooled", pooled)]:
             match = f"{matches}/{len(prompts)}" if bench_cycles is not None and label == "pooled" else ""
-            print(f"{arm:<24}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}"
+            print(f"{arm:<32}{label:<14}{len(result.cycles):>8}{result.tau:>8.3f}{result.anchor_mean:>13.3f}"
                   f"{result.mean_verified:>10.2f}{match:>13}")  # fmt: skip
 
 

@@ -1,5 +1,6 @@
-"""`hf-retrace` console script: `hf-retrace {train,generate-data,build-pool,draft-vocab,bench,analyze,publish} ...`;
-each subcommand owns its own parser and is imported only when it runs (training needs the `train` extra)."""
+"""`hf-retrace` console script:
+`hf-retrace {train,generate-data,build-pool,draft-vocab,datastore,bench,analyze,publish} ...`; each subcommand owns its
+own parser and is imported only when it runs (training needs the `train` extra)."""
 
 import importlib
 import sys
@@ -11,6 +12,7 @@ _SUBCOMMANDS = {
     "build-pool": ("hf_retrace.scripts.build_pool", "cli_main", "build the token pool and target-feature cache"),
     "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
     "draft-vocab": ("hf_retrace.scripts.draft_vocab", "cli_main", "re-rank a drafter's draft vocabulary on pools"),
+    "datastore": ("hf_retrace.scripts.datastore", "cli_main", "attach pool responses to a drafter for datastore lookup"),
     "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
     "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
 }

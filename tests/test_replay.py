@@ -71,6 +71,29 @@ def test_replayed_cycles_with_prompt_lookup_are_the_generated_ones(num_assistant
     assert lookup_cycles > 5  # the lookup branch of the walk was exercised
 
 
+def test_replayed_cycles_with_prompt_and_datastore_lookup_are_the_generated_ones():
+    """Datastore lookup behind prompt lookup: the walk takes whichever proposes at each anchor, as generation does."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off")
+    responses = []
+    for seed in range(3):  # the target's own responses: on these prompts the datastore proposes whole stretches
+        prompt = random_prompt(5, seed=seed)
+        responses.append(target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=30)[0, 5:].tolist())
+    drafter.set_datastore(responses)
+    drafter.config.update(dict(datastore_num_tokens=3, datastore_min_ngram_size=2, prompt_lookup_num_tokens=2))
+    datastore = drafter.datastore(3, drafter.config.datastore_max_ngram_size, 2)
+    replay, datastore_cycles = ReplayResult(), 0
+    for seed in range(6):
+        prompt = random_prompt(5, seed=seed)
+        out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=30, assistant_model=drafter)
+        stats = drafter.last_generation_stats
+        lookups = lookup_acceptance(out, prompt.shape[1], 2, 3, 2, datastore=datastore)
+        replay.add(anchor_acceptance(target, drafter, out, prompt.shape[1]), lookups)
+        assert replay.cycles[-1] == stats.acceptance_lengths, f"prompt {seed}"
+        datastore_cycles += stats.num_datastore_cycles
+    assert datastore_cycles > 5  # the datastore branch was exercised
+
+
 def test_lookup_acceptance_scores_the_candidates_at_every_anchor():
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 9]])  # prompt [1, 2, 3]; anchors at positions 3 .. 7
     # anchor 3 ([1, 2, 3, 1]): single tokens only, below the minimum of 2; anchor 4 ((1, 2) recurs): [3, 1, 2]

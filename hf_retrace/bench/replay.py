@@ -94,20 +94,32 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
 
 
 def lookup_acceptance(
-    input_ids: torch.LongTensor, prompt_length: int, num_tokens: int, max_ngram_size: int = 3, min_ngram_size: int = 2
+    input_ids: torch.LongTensor,
+    prompt_length: int,
+    num_tokens: int | None,
+    max_ngram_size: int = 3,
+    min_ngram_size: int = 2,
+    datastore=None,
 ) -> list[tuple[int, int] | None]:
     """Prompt lookup in front of the drafter (`config.prompt_lookup_num_tokens`), at every response anchor: what
     [`prompt_lookup_candidates`] proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)`
-    (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts.
+    (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts. With
+    `datastore` (an [`NgramDatastore`], `config.datastore_num_tokens`), anchors prompt lookup leaves to the drafter
+    try it first, as generation does.
 
     Args:
         input_ids (`torch.LongTensor` of shape `(1, T)`): prompt, then the target's greedy continuation.
         prompt_length (`int`): `P`; anchors are `P .. T-2`, as in [`anchor_scores`].
+        num_tokens (`int`, *optional*): prompt-lookup candidates; `None` turns prompt lookup off.
     """
     ids = input_ids[0]
     out = []
     for p in range(prompt_length, ids.shape[0] - 1):
-        candidates = prompt_lookup_candidates(ids[: p + 1], num_tokens, max_ngram_size, min_ngram_size)
+        candidates = None
+        if num_tokens is not None:
+            candidates = prompt_lookup_candidates(ids[: p + 1], num_tokens, max_ngram_size, min_ngram_size)
+        if candidates is None and datastore is not None:
+            candidates = datastore.candidates(ids[: p + 1])
         if candidates is None:
             out.append(None)
             continue

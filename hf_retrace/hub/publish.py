@@ -9,7 +9,8 @@ Folder layout (everything a user needs with `transformers` alone, `trust_remote_
     model.safetensors            weights (or sharded `model-*.safetensors` + `model.safetensors.index.json`)
     configuration_retrace.py     \
     modeling_retrace.py           } the Hub files of `hf_retrace.models`, written by `save_pretrained`
-    generation_retrace.py        /  (`register_for_auto_class`) and again by `publish`
+    generation_retrace.py         } (`register_for_auto_class`) and again by `publish`
+    datastore_retrace.py         /
     custom_generate/generate.py  `target.generate(..., custom_generate=<repo>, trust_remote_code=True)` recipe
     README.md                    model card rendered from `hf_retrace/hub/templates/model_card.md`
     eval_results.json            the evaluation JSON behind the card's table (only when one was given)

@@ -17,7 +17,9 @@ from ..models.configuration_retrace import ReTraceDrafterConfig
 from ..models.modeling_retrace import ReTraceDrafterModel
 
 
-CODE_FILES = ("configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py")
+CODE_FILES = (
+    "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "datastore_retrace.py"
+)
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 
 

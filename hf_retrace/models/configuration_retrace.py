@@ -86,6 +86,15 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             `max_matching_ngram_size` to `generate` overrides it.
         prompt_lookup_min_ngram_size (`int`, defaults to 2): shortest n-gram looked up. transformers' prompt lookup
             goes down to single tokens. Behind a drafter, a one-token match proposes worse drafts than the drafter.
+        datastore_size (`int`, *optional*): tokens in the `datastore_token_ids` buffer, a corpus of the target's own
+            responses saved with the weights (`ReTraceDrafterModel.set_datastore`, `hf-retrace datastore`). Unset: no
+            datastore.
+        datastore_num_tokens (`int`, *optional*): turn on datastore lookup (REST) behind prompt lookup and in front of
+            the drafter. A cycle that prompt lookup leaves to the drafter first looks for the context's last n-gram
+            in the datastore; where it finds one, the target verifies up to this many tokens that most often followed
+            it there, and the drafter skips the cycle. Needs `datastore_size`. Unset: no datastore lookup.
+        datastore_max_ngram_size (`int`, defaults to 6), datastore_min_ngram_size (`int`, defaults to 3): n-gram sizes
+            looked up in the datastore, longest first.
     """
 
     model_type = "retrace_drafter"
@@ -122,6 +131,10 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     prompt_lookup_num_tokens: int | None = None
     prompt_lookup_max_ngram_size: int = 3
     prompt_lookup_min_ngram_size: int = 2
+    datastore_size: int | None = None
+    datastore_num_tokens: int | None = None
+    datastore_max_ngram_size: int = 6
+    datastore_min_ngram_size: int = 3
 
     default_theta = 1000000.0
 
@@ -171,6 +184,10 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         self.check_prompt_lookup(
             self.prompt_lookup_num_tokens, self.prompt_lookup_max_ngram_size, self.prompt_lookup_min_ngram_size
         )
+        if self.datastore_size is not None and self.datastore_size < 1:
+            raise ValueError(f"datastore_size must be >= 1 or None (no datastore), got {self.datastore_size}")
+        datastore_sizes = (self.datastore_max_ngram_size, self.datastore_min_ngram_size)
+        self.check_datastore(self.datastore_num_tokens, *datastore_sizes, self.datastore_size)
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
 
@@ -184,6 +201,23 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             raise ValueError(
                 "prompt lookup needs 1 <= prompt_lookup_min_ngram_size <= prompt_lookup_max_ngram_size (or "
                 f"max_matching_ngram_size passed to generate), got min {min_ngram_size} and max {max_ngram_size}"
+            )
+
+    @staticmethod
+    def check_datastore(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int, size: int | None) -> None:
+        """Raises `ValueError` on datastore-lookup settings that cannot work (also called by the candidate
+        generator, since `generate(datastore_num_tokens=...)` overrides the config's)."""
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"datastore_num_tokens must be >= 1 or None (no datastore lookup), got {num_tokens}")
+        if not 1 <= min_ngram_size <= max_ngram_size:
+            raise ValueError(
+                "datastore lookup needs 1 <= datastore_min_ngram_size <= datastore_max_ngram_size, got min "
+                f"{min_ngram_size} and max {max_ngram_size}"
+            )
+        if num_tokens is not None and size is None:
+            raise ValueError(
+                "datastore_num_tokens is set but the drafter has no datastore (datastore_size is None): attach one "
+                "with `drafter.set_datastore(responses)` or `hf-retrace datastore`, or unset datastore_num_tokens"
             )
 
     def _check_attention(self):

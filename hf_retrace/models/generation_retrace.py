@@ -100,6 +100,8 @@ class ReTraceGenerationStats:
         num_drafter_forwards (`int`): drafter forward passes.
         num_lookup_cycles (`int`): cycles that verified prompt-lookup candidates instead of a drafted block
             (`config.prompt_lookup_num_tokens`); they are in `acceptance_lengths` too.
+        num_datastore_cycles (`int`): cycles that verified datastore-lookup candidates instead of a drafted block
+            (`config.datastore_num_tokens`); they are in `acceptance_lengths` too.
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -107,6 +109,7 @@ class ReTraceGenerationStats:
     num_conditioned_rounds: int = 0
     num_drafter_forwards: int = 0
     num_lookup_cycles: int = 0
+    num_datastore_cycles: int = 0
 
     @property
     def tau(self) -> float:
@@ -153,7 +156,8 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     With `config.prompt_lookup_num_tokens` (or `generate(prompt_lookup_num_tokens=...)`), a cycle whose context ends
     in an n-gram seen earlier verifies [`prompt_lookup_candidates`] instead, and the drafter does not run. The target
     features of the tokens such cycles commit are kept, and the next drafted cycle feeds them all to the drafter, so
-    its context is the same as if it had drafted every cycle.
+    its context is the same as if it had drafted every cycle. With `config.datastore_num_tokens`, a cycle prompt lookup
+    leaves to the drafter first tries the drafter's datastore ([`NgramDatastore`], REST) the same way.
     """
 
     def __init__(self, assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config,
@@ -162,13 +166,15 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
                          generation_config, logits_processor, **kwargs)  # fmt: skip
         self.num_assistant_tokens, self.confidence_threshold = _verification_limits(assistant_model.config)
         self.lookup_num_tokens, self.lookup_ngram_sizes = _lookup_settings(assistant_model.config, generation_config)
+        self.datastore = _datastore_index(assistant_model)
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
         assistant_model.last_generation_stats = self.stats
         self.pending_trajectory: ReTraceConditioning | None = None
         self.last_draft_hidden_states: torch.Tensor | None = None
-        self._cycle: str | None = None  # what the last target forward verified: "draft", "lookup" or None (neither)
+        # what the last target forward verified: "draft", "lookup" (prompt lookup), "datastore" or None (neither)
+        self._cycle: str | None = None
         self._verified = 0  # tokens in the last verification forward: the anchor and the drafts proposed
         # Target features of committed positions 0 .. `_num_featured - 1`; those the drafter has not consumed yet
         # (the prefill's, then those of lookup cycles) wait in `_unseen_features`, [1, U_i, F] each.
@@ -185,12 +191,13 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         if model_outputs is not None and not is_first_iteration:
             self._collect_features(input_ids, self._concatenated_features(model_outputs), int(n_last_matches))
         self._cycle = None
-        lookup_ids = None if is_first_iteration else self._lookup(input_ids)
-        if lookup_ids is not None:
+        lookup = None if is_first_iteration else self._lookup(input_ids)
+        if lookup is not None:
             if self.pending_trajectory is not None:  # the suffix was drafted for this anchor, and nothing uses it
                 self.stats.retained_lengths[-1] = 0
                 self.pending_trajectory = None
-            self._cycle, self._verified = "lookup", lookup_ids.shape[1] - input_ids.shape[1] + 1
+            kind, lookup_ids = lookup
+            self._cycle, self._verified = kind, lookup_ids.shape[1] - input_ids.shape[1] + 1
             return lookup_ids, None
         if self._unseen_features:  # the parent reads the first `n_last_matches + 1` positions of `hidden_states[1]`
             unseen = self._unseen_features  # [1, U, F]: every committed position it has not seen
@@ -223,6 +230,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
             drafted = self._cycle == "draft" and self.uses_trajectory
             self.stats.retained_lengths.append(max(self._verified - 2 - n, 0) if drafted else 0)
             self.stats.num_lookup_cycles += self._cycle == "lookup"
+            self.stats.num_datastore_cycles += self._cycle == "datastore"
 
     def _collect_features(self, input_ids: torch.LongTensor, features: torch.Tensor, num_matches: int) -> None:
         """Builds the pending trajectory of a drafted cycle, and keeps the features of the newly committed positions.
@@ -245,15 +253,17 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self._unseen_features.append(features[:, :new])
         self._num_featured += new
 
-    def _lookup(self, input_ids: torch.LongTensor) -> torch.LongTensor | None:
-        """`[1, T + m]`: the context and `m` prompt-lookup candidates, or `None` (lookup off, no match, no room)."""
-        if self.lookup_num_tokens is None:
-            return None
-        room = min(self.lookup_num_tokens, self.main_model_max_length - input_ids.shape[1] - 1)
-        if room <= 0:
-            return None
-        tokens = prompt_lookup_candidates(input_ids[0], room, *self.lookup_ngram_sizes)
-        return None if tokens is None else torch.cat([input_ids, tokens[None].to(input_ids.device)], dim=1)
+    def _lookup(self, input_ids: torch.LongTensor) -> tuple[str, torch.LongTensor] | None:
+        """`("lookup" | "datastore", [1, T + m])`: the context and `m` candidates of prompt lookup, else of the
+        datastore; `None` when both are off or find nothing, or there is no room left."""
+        room = self.main_model_max_length - input_ids.shape[1] - 1
+        tokens, kind = None, "lookup"
+        if self.lookup_num_tokens is not None and room > 0:
+            num_tokens = min(self.lookup_num_tokens, room)
+            tokens = prompt_lookup_candidates(input_ids[0], num_tokens, *self.lookup_ngram_sizes)
+        if tokens is None and self.datastore is not None and room > 0:
+            tokens, kind = self.datastore.candidates(input_ids[0], room), "datastore"
+        return None if tokens is None else (kind, torch.cat([input_ids, tokens[None].to(input_ids.device)], dim=1))
 
     def _concatenated_features(self, model_outputs) -> torch.Tensor:
         """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
@@ -327,6 +337,14 @@ def _lookup_settings(config, generation_config) -> tuple[int | None, tuple[int, 
     min_size = min(config.prompt_lookup_min_ngram_size, max_size)  # a smaller max given to `generate` lowers the min
     config.check_prompt_lookup(num_tokens, max_size, min_size)
     return num_tokens, (max_size, min_size)
+
+
+def _datastore_index(drafter):
+    """The drafter's [`NgramDatastore`] under its config's datastore-lookup settings, or `None` when they are off."""
+    config = drafter.config
+    sizes = (config.datastore_max_ngram_size, config.datastore_min_ngram_size)
+    config.check_datastore(config.datastore_num_tokens, *sizes, config.datastore_size)  # the config may have changed
+    return None if config.datastore_num_tokens is None else drafter.datastore(config.datastore_num_tokens, *sizes)
 
 
 def _verification_limits(config) -> tuple[int, float | None]:

@@ -23,6 +23,7 @@ from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant 
 from transformers.utils import cached_file
 
 from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
+from .datastore_retrace import SEPARATOR, NgramDatastore
 from .generation_retrace import ReTraceConditioning  # importing the generation file installs the generate hook
 
 
@@ -159,6 +160,12 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
             self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_vocab_ids = None
+        if config.datastore_size is not None:  # `[S]` response tokens for datastore lookup; set by `set_datastore`
+            empty = torch.full((config.datastore_size,), SEPARATOR, dtype=torch.int32)
+            self.register_buffer("datastore_token_ids", empty, persistent=True)
+        else:
+            self.datastore_token_ids = None
+        self._datastore_index: NgramDatastore | None = None
         self.last_generation_stats = None
         self.post_init()
 
@@ -199,6 +206,38 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         else:
             del self.draft_vocab_ids  # the plain `None` attribute of a full-vocabulary drafter
         self.register_buffer("draft_vocab_ids", ids.to(self.fc.weight.device), persistent=True)
+
+    def set_datastore(self, responses) -> None:
+        """Attaches a datastore for datastore lookup (`config.datastore_num_tokens`): `responses`, a list of token-id
+        lists (the target's own responses, e.g. the training pool's), stored in the int32 `datastore_token_ids`
+        buffer with a separator between them; `config.datastore_size` is its length. `None` removes it (and turns
+        datastore lookup off)."""
+        self._datastore_index = None
+        if "datastore_token_ids" in self._buffers:
+            del self._buffers["datastore_token_ids"]
+        else:
+            del self.datastore_token_ids  # the plain `None` attribute of a drafter without a datastore
+        if responses is None:
+            self.datastore_token_ids = None
+            self.config.datastore_size = self.config.datastore_num_tokens = None
+            return
+        flat = [token for response in responses for token in (*response, SEPARATOR)]
+        ids = torch.tensor(flat, dtype=torch.int32)
+        if len(ids) <= len(responses) or ids.max() >= self.config.vocab_size or (ids < SEPARATOR).any():
+            raise ValueError(f"datastore responses must be non-empty token-id lists in [0, {self.config.vocab_size})")
+        self.config.datastore_size = len(ids)
+        self.register_buffer("datastore_token_ids", ids.to(self.fc.weight.device), persistent=True)
+
+    def datastore(self, num_tokens: int, max_ngram_size: int, min_ngram_size: int) -> NgramDatastore:
+        """The [`NgramDatastore`] index of `datastore_token_ids` for these settings, built on first use (~1 s per
+        n-gram size per million tokens) and kept until they change."""
+        if self.datastore_token_ids is None:
+            raise ValueError("this drafter has no datastore: attach one with `set_datastore(responses)`")
+        index = self._datastore_index
+        settings = (num_tokens, max_ngram_size, min_ngram_size)
+        if index is None or (index.num_tokens, index.ngram_sizes[0], index.ngram_sizes[-1]) != settings:
+            index = self._datastore_index = NgramDatastore(self.datastore_token_ids, *settings)
+        return index
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """`[b, T, len(target_layer_ids) * H]` concatenated target features -> `[b, T, H]` drafter context."""
