@@ -58,6 +58,7 @@ def main():
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     timed_generate(target, inputs, max_new_tokens=8)  # warmup
+    timed_generate(target, inputs, max_new_tokens=8, assistant_model=drafter)  # and the drafter's datastore index
 
     ar_times, spec_times = [], []
     for _ in range(args.repeats):
@@ -76,8 +77,11 @@ def main():
           f"block_size={config.block_size}, "
           f"num_assistant_tokens={config.num_assistant_tokens}, "
           f"assistant_confidence_threshold={config.assistant_confidence_threshold}, "
-          f"prompt_lookup_num_tokens={config.prompt_lookup_num_tokens})")
-    lookups = f", {stats.num_lookup_cycles} of them prompt lookup" if stats.num_lookup_cycles else ""
+          f"prompt_lookup_num_tokens={config.prompt_lookup_num_tokens}, "
+          f"datastore_num_tokens={config.datastore_num_tokens})")
+    kinds = [f"{stats.num_lookup_cycles} prompt lookup"] * bool(stats.num_lookup_cycles)
+    kinds += [f"{stats.num_datastore_cycles} datastore lookup"] * bool(stats.num_datastore_cycles)
+    lookups = f", {' and '.join(kinds)}" if kinds else ""
     print(f"tau (pooled over {len(stats.acceptance_lengths)} cycles{lookups}): {stats.tau:.2f}")
     kind = "ReTrace" if config.retrace_mode != "off" else "DFlash"
     print(f"target-only greedy: {new / ar_s:.1f} tok/s | {kind} speculative: {new / spec_s:.1f} tok/s "

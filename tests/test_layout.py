@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from hf_retrace.hub.validation import CODE_FILES
+
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_retrace"
-HUB_FILES = ("configuration_retrace", "modeling_retrace", "generation_retrace")
+HUB_FILES = tuple(name.removesuffix(".py") for name in CODE_FILES)
 
 
 def module_name(path: Path) -> str:
