@@ -103,7 +103,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
             timers.seconds["draft head"] += time.perf_counter() - start
 
     DraftLMHead.forward = head_forward
-    total, cycles, lookups = 0.0, 0, 0
+    total, cycles, lookups, datastore = 0.0, 0, 0, 0
     try:
         for prompt in PROMPTS:
             inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -113,6 +113,7 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
             total += time.perf_counter() - start
             cycles += len(drafter.last_generation_stats.acceptance_lengths)
             lookups += drafter.last_generation_stats.num_lookup_cycles
+            datastore += drafter.last_generation_stats.num_datastore_cycles
     finally:
         target.forward = original_forward
         DraftLMHead.forward = head_original
@@ -130,7 +131,8 @@ def run(target, tokenizer, drafter, max_new_tokens: int) -> dict:
         "draft head": s["draft head"],
     }
     parts["bookkeeping"] = total - s["prefill"] - sum(parts.values())
-    return {"cycles": cycles, "lookups": lookups, "per_cycle_ms": {k: 1000 * v / cycles for k, v in parts.items()}}
+    per_cycle_ms = {k: 1000 * v / cycles for k, v in parts.items()}
+    return {"cycles": cycles, "lookups": lookups, "datastore": datastore, "per_cycle_ms": per_cycle_ms}
 
 
 @torch.no_grad()
@@ -184,6 +186,10 @@ def main():
             drafter.config.prompt_lookup_num_tokens = args.prompt_lookup_num_tokens or None
         if args.skinny_gemm:
             enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
+        config = drafter.config
+        if config.datastore_num_tokens:  # the datastore index is built once per drafter, before any timing
+            sizes = (config.datastore_max_ngram_size, config.datastore_min_ngram_size)
+            drafter.datastore(config.datastore_num_tokens, *sizes)
         if args.draft_vocab_size:
             from hf_retrace.trainer.draft_vocab import most_frequent_tokens
             from hf_retrace.data.pool import read_token_shards
@@ -205,7 +211,8 @@ def main():
         overhead = sum(v for k, v in parts.items() if k != "verification")
         print(f"\ndraft vocabulary: {drafter.config.draft_vocab_size or 'full'}")
         print(f"B = {block_size}: {width}-token forward {verify:.1f} ms = {verify / one:.2f} decoding steps; "
-              f"{result['cycles']} cycles, {result['lookups']} of them prompt lookup")  # fmt: skip
+              f"{result['cycles']} cycles, {result['lookups']} of them prompt lookup, {result['datastore']} datastore "
+              "lookup")  # fmt: skip
         for name, ms in parts.items():
             print(f"  {name:<14}{ms:>8.1f} ms/cycle")
         print(f"  non-verification work = {overhead / parts['verification']:.0%} of the verification forward")
