@@ -195,25 +195,14 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     def check_prompt_lookup(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int) -> None:
         """Raises `ValueError` on prompt-lookup settings that cannot work. Also called by the candidate generator,
         since `generate`'s `prompt_lookup_num_tokens` and `max_matching_ngram_size` override the config's."""
-        if num_tokens is not None and num_tokens < 1:
-            raise ValueError(f"prompt_lookup_num_tokens must be >= 1 or None (no prompt lookup), got {num_tokens}")
-        if not 1 <= min_ngram_size <= max_ngram_size:
-            raise ValueError(
-                "prompt lookup needs 1 <= prompt_lookup_min_ngram_size <= prompt_lookup_max_ngram_size (or "
-                f"max_matching_ngram_size passed to generate), got min {min_ngram_size} and max {max_ngram_size}"
-            )
+        _check_ngram_lookup("prompt_lookup", num_tokens, max_ngram_size, min_ngram_size,
+                            " (or max_matching_ngram_size passed to generate)")  # fmt: skip
 
     @staticmethod
     def check_datastore(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int, size: int | None) -> None:
-        """Raises `ValueError` on datastore-lookup settings that cannot work (also called by the candidate
-        generator, since `generate(datastore_num_tokens=...)` overrides the config's)."""
-        if num_tokens is not None and num_tokens < 1:
-            raise ValueError(f"datastore_num_tokens must be >= 1 or None (no datastore lookup), got {num_tokens}")
-        if not 1 <= min_ngram_size <= max_ngram_size:
-            raise ValueError(
-                "datastore lookup needs 1 <= datastore_min_ngram_size <= datastore_max_ngram_size, got min "
-                f"{min_ngram_size} and max {max_ngram_size}"
-            )
+        """Raises `ValueError` on datastore-lookup settings that cannot work. Also called by the candidate generator,
+        since the config may have changed since it was built."""
+        _check_ngram_lookup("datastore", num_tokens, max_ngram_size, min_ngram_size)
         if num_tokens is not None and size is None:
             raise ValueError(
                 "datastore_num_tokens is set but the drafter has no datastore (datastore_size is None): attach one "
@@ -235,6 +224,17 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"sliding_window must be a positive int when a layer is sliding_attention, got {self.sliding_window}"
             )
+
+
+def _check_ngram_lookup(prefix: str, num_tokens: int | None, max_size: int, min_size: int, hint: str = "") -> None:
+    """The checks prompt lookup and datastore lookup share; `prefix` names their config fields."""
+    if num_tokens is not None and num_tokens < 1:
+        raise ValueError(f"{prefix}_num_tokens must be >= 1 or None (turned off), got {num_tokens}")
+    if not 1 <= min_size <= max_size:
+        raise ValueError(
+            f"{prefix.replace('_', ' ')} needs 1 <= {prefix}_min_ngram_size <= {prefix}_max_ngram_size{hint}, got min "
+            f"{min_size} and max {max_size}"
+        )
 
 
 __all__ = ["ReTraceDrafterConfig", "default_target_layer_ids", "RETRACE_MODES"]
