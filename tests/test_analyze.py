@@ -121,6 +121,23 @@ def test_alignment_check_catches_an_off_by_one(tiny, monkeypatch):
         analyze_generation(target, drafter, prompt, max_new_tokens=30)
 
 
+def test_analysis_drafts_every_cycle_whatever_the_drafter_verifies(tiny):
+    """A shipped-style drafter (k, confidence stop, prompt and datastore lookup set) is analysed on full drafted
+    blocks, which equal the plain drafter's, and gets its settings back."""
+    _root, target = tiny
+    plain = make_drafter(target, block_size=4, mode="off")
+    shipped = make_drafter(target, block_size=4, mode="off")
+    shipped.load_state_dict(plain.state_dict())
+    prompt = random_prompt(6, seed=1)
+    shipped.set_datastore([target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)[0].tolist()])
+    settings = dict(num_assistant_tokens=2, assistant_confidence_threshold=0.3, prompt_lookup_num_tokens=2,
+                    datastore_num_tokens=2)  # fmt: skip
+    shipped.config.update(settings)
+    counts = analyze_generation(target, shipped, prompt, max_new_tokens=30)
+    assert counts == analyze_generation(target, plain, prompt, max_new_tokens=30) and counts.slots > 0
+    assert {name: getattr(shipped.config, name) for name in settings} == settings
+
+
 def test_recorder_sees_what_the_generator_drafted(tiny):
     """The recorded argmax drafts, compared with the committed text, reproduce the generator's acceptance counts."""
     _, target = tiny

@@ -131,7 +131,9 @@ class DraftRecorder:
 
 
 def analyze_generation(target, drafter, input_ids: torch.LongTensor, max_new_tokens: int, top_k: int = 5):
-    """Greedy speculative decoding of one prompt with `drafter`; returns its `AgreementCounts`.
+    """Greedy speculative decoding of one prompt with `drafter`; returns its `AgreementCounts`. Every cycle is drafted
+    and verifies the whole block for the analysis (the drafter's `num_assistant_tokens`, confidence stop, prompt and
+    datastore lookup are off meanwhile, and restored after), so each round is seen to its end.
 
     Raises `RuntimeError` when the recomputed acceptance disagrees with the generator's (an alignment bug).
     """
@@ -141,11 +143,19 @@ def analyze_generation(target, drafter, input_ids: torch.LongTensor, max_new_tok
         target.get_output_embeddings(), drafter.config.draft_logits_dtype, getattr(drafter, "draft_vocab_ids", None)
     )
     recorder = DraftRecorder(drafter, head, top_k)
+    config = drafter.config
+    settings = ("num_assistant_tokens", "assistant_confidence_threshold", "prompt_lookup_num_tokens",
+                "datastore_num_tokens")  # fmt: skip
+    saved = {name: getattr(config, name, None) for name in settings}
     try:
+        for name in settings:
+            setattr(config, name, None)
         output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                                  do_sample=False, max_new_tokens=max_new_tokens)  # fmt: skip
     finally:
         recorder.remove()
+        for name, value in saved.items():
+            setattr(config, name, value)
     sequence = output[0].tolist()
     accepted = [n - 1 for n in drafter.last_generation_stats.acceptance_lengths]
     if len(accepted) != len(recorder.rounds):
