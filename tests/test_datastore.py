@@ -164,3 +164,21 @@ def test_datastore_command_stores_pool_responses_with_the_drafter(tmp_path, caps
     assert loaded.config.datastore_num_tokens == 2 and loaded.config.datastore_min_ngram_size == 3
     with pytest.raises(ValueError, match="END must be in"):
         cli_main(argv[:4] + [f"{tmp_path / 'pool'}:9", "--output", str(tmp_path / "bad")])
+
+
+def test_a_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off")
+    drafter.set_datastore(_greedy_responses(target, range(2)))
+    drafter.config.datastore_num_tokens = 2
+    drafter.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights.pop("datastore_token_ids")  # the buffer is then left uninitialised by from_pretrained
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
+    loaded.datastore_token_ids.fill_(0)  # uninitialised memory is often zeros: in the vocabulary, no separator
+    with pytest.raises(ValueError, match="the checkpoint lacks or corrupts it"):
+        target.generate(random_prompt(5, seed=0), do_sample=False, pad_token_id=0, max_new_tokens=4,
+                        assistant_model=loaded)  # fmt: skip

@@ -229,13 +229,22 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         self.register_buffer("datastore_token_ids", ids.to(self.fc.weight.device), persistent=True)
 
     def datastore(self, num_tokens: int, max_ngram_size: int, min_ngram_size: int) -> NgramDatastore:
-        """The [`NgramDatastore`] index of `datastore_token_ids` for these settings, built on first use (~1 s per
-        n-gram size per million tokens) and kept until they change."""
-        if self.datastore_token_ids is None:
+        """The [`NgramDatastore`] index of `datastore_token_ids` for these settings, built on first use (~3 s for the
+        shipped 1.75M tokens) and kept until they change."""
+        ids = self.datastore_token_ids
+        if ids is None:
             raise ValueError("this drafter has no datastore: attach one with `set_datastore(responses)`")
         index = self._datastore_index
         settings = (num_tokens, max_ngram_size, min_ngram_size)
         if index is None or (index.num_tokens, index.ngram_sizes[0], index.ngram_sizes[-1]) != settings:
+            # `set_datastore` ends every response with a separator and keeps ids in the vocabulary; a checkpoint
+            # without the buffer loads it uninitialised, which this catches before garbage ids reach the target
+            if ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size:
+                raise ValueError(
+                    f"datastore_token_ids is not a datastore (config.datastore_size = {len(ids)}): the checkpoint lacks "
+                    "or corrupts it. Attach the responses again with `set_datastore(responses)` or `hf-retrace "
+                    "datastore`, or set datastore_size and datastore_num_tokens to null in config.json"
+                )
             index = self._datastore_index = NgramDatastore(self.datastore_token_ids, *settings)
         return index
 
