@@ -15,21 +15,10 @@ SEPARATOR = -1  # between responses in the flat token buffer: no n-gram or conti
 _PRIMES = (2_147_483_647, 2_147_483_629)
 
 
-def _hash_windows(windows: torch.LongTensor) -> torch.LongTensor:
-    """`[R, n] -> [R]` int64 keys of the rows of `windows` (token ids in `[0, 2^18)`)."""
-    keys = []
-    for prime in _PRIMES:
-        key = torch.zeros(windows.shape[0], dtype=torch.long)
-        for column in windows.unbind(dim=1):
-            key = (key * 262_144 + column) % prime
-        keys.append(key)
-    return keys[0] * 2_147_483_648 + keys[1]
-
-
 def _window_keys(token_ids: torch.LongTensor, sizes: set[int]) -> dict[int, torch.LongTensor]:
-    """`{n: [S + 1]}`: entry `i` is the key of `token_ids[i-n : i]` (meaningless for `i < n`), the same key
-    [`_hash_windows`] gives that window, for every size in `sizes` in one pass (the key of size `n` adds the token
-    `n` back, weighted `base^(n-1)`, to the key of size `n-1`)."""
+    """`{n: [S + 1]}`: entry `i` is the key of `token_ids[i-n : i]` (meaningless for `i < n`), for every size in
+    `sizes` in one pass: per prime, `sum_j token_{i-1-j} * base^j mod prime` (the key of size `n` adds the token `n`
+    back, weighted `base^(n-1)`, to the key of size `n-1`); token ids must be below the base, 2^18."""
     length = token_ids.shape[0]
     parts = [torch.zeros(length + 1, dtype=torch.long) for _ in _PRIMES]
     powers = [1] * len(_PRIMES)
@@ -97,7 +86,7 @@ class NgramDatastore:
                 continue
             keys, positions = self.tables[n]
             query = context[-n:]
-            key = _hash_windows(query[None])
+            key = _window_keys(query, {n})[n][n:]  # [1]: the key of the whole query, as the table's were computed
             index = int(torch.searchsorted(keys, key))
             if index == keys.shape[0] or keys[index] != key[0]:
                 continue

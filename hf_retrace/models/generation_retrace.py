@@ -257,11 +257,13 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         """`("lookup" | "datastore", [1, T + m])`: the context and `m` candidates of prompt lookup, else of the
         datastore; `None` when both are off or find nothing, or there is no room left."""
         room = self.main_model_max_length - input_ids.shape[1] - 1
+        if room <= 0:
+            return None
         tokens, kind = None, "lookup"
-        if self.lookup_num_tokens is not None and room > 0:
+        if self.lookup_num_tokens is not None:
             num_tokens = min(self.lookup_num_tokens, room)
             tokens = prompt_lookup_candidates(input_ids[0], num_tokens, *self.lookup_ngram_sizes)
-        if tokens is None and self.datastore is not None and room > 0:
+        if tokens is None and self.datastore is not None:
             tokens, kind = self.datastore.candidates(input_ids[0], room), "datastore"
         return None if tokens is None else (kind, torch.cat([input_ids, tokens[None].to(input_ids.device)], dim=1))
 
