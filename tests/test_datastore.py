@@ -1,5 +1,5 @@
 """Datastore lookup (`config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the drafter's
-datastore verify the continuation that most often followed it there, the others are drafted, and output stays
+datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output stays
 exactly the target's."""
 
 import collections
@@ -17,43 +17,43 @@ def _flat(responses):
     return torch.tensor([token for response in responses for token in (*response, SEPARATOR)])
 
 
-def _reference(responses, context, num_tokens, sizes):
-    """Brute force: the set of most frequent continuations of the longest n-gram ending `context`, or None."""
+def _reference_next(responses, context, sizes):
+    """Brute force: the set of most frequent next tokens of the longest n-gram ending `context`, or None."""
     for n in sizes:
-        counts = collections.Counter(
-            tuple(r[i : i + num_tokens]) for r in responses for i in range(n, len(r) - num_tokens + 1)
-            if r[i - n : i] == context[-n:]
-        )  # fmt: skip
+        counts = collections.Counter(r[i] for r in responses for i in range(n, len(r)) if r[i - n : i] == context[-n:])
         if len(context) >= n and counts:
             top = max(counts.values())
-            return {c for c, k in counts.items() if k == top}
+            return {token for token, k in counts.items() if k == top}
     return None
 
 
-def test_datastore_proposes_the_most_frequent_continuation_of_the_longest_ngram():
+def test_datastore_walks_the_most_frequent_next_token_of_the_longest_ngram():
     rng = random.Random(0)
     responses = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
     index = NgramDatastore(_flat(responses), num_tokens=3, max_ngram_size=4, min_ngram_size=2)
-    found = 0
+    lengths = collections.Counter()
     for _ in range(500):
         context = [rng.randrange(5) for _ in range(rng.randrange(1, 7))]
-        expected = _reference(responses, context, 3, [4, 3, 2])
         got = index.candidates(torch.tensor(context))
-        assert (got is None) == (expected is None), context
-        if got is not None:
-            assert tuple(got.tolist()) in expected, context
-            found += 1
-    assert found > 250  # most random 5-token contexts end in a stored n-gram, so both branches were checked
+        proposed = [] if got is None else got.tolist()
+        for token in proposed:  # every step follows the longest n-gram of the context extended so far
+            assert token in _reference_next(responses, context, [4, 3, 2]), (context, proposed)
+            context = context + [token]
+        if len(proposed) < 3:  # and the walk stops only where no n-gram matches
+            assert _reference_next(responses, context, [4, 3, 2]) is None, (context, proposed)
+        lengths[len(proposed)] += 1
+    assert lengths[0] > 10 and lengths[3] > 250, lengths  # both ends of the walk were checked
 
 
 def test_datastore_never_spans_two_responses():
     index = NgramDatastore(_flat([[1, 2, 3], [4, 5, 6, 7]]), num_tokens=2, max_ngram_size=2, min_ngram_size=1)
     assert index.candidates(torch.tensor([9, 4])).tolist() == [5, 6]
     assert index.candidates(torch.tensor([5])).tolist() == [6, 7]
-    assert index.candidates(torch.tensor([2])) is None  # [3] alone is no 2-token continuation
-    assert index.candidates(torch.tensor([3])) is None  # 3 ends its response: nothing of it follows 3
+    assert index.candidates(torch.tensor([2])).tolist() == [3]  # 3 ends its response: the walk stops there
+    assert index.candidates(torch.tensor([3])) is None  # nothing of the next response follows 3
     assert index.candidates(torch.tensor([4, 5]), num_tokens=1).tolist() == [6]
-    tiny = NgramDatastore(_flat([[1, 2]]), num_tokens=3, max_ngram_size=6, min_ngram_size=3)  # shorter than n + m
+    assert index.candidates(torch.tensor([4]), num_tokens=5).tolist() == [5, 6]  # never past its own num_tokens
+    tiny = NgramDatastore(_flat([[1, 2]]), num_tokens=3, max_ngram_size=6, min_ngram_size=3)  # shorter than n + 1
     assert tiny.candidates(torch.tensor([1, 2])) is None and tiny.candidates(torch.tensor([1, 2, 1, 2])) is None
 
 

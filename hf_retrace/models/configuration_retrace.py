@@ -91,8 +91,9 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             datastore.
         datastore_num_tokens (`int`, *optional*): turn on datastore lookup (REST) behind prompt lookup and in front of
             the drafter. A cycle that prompt lookup leaves to the drafter first looks for the context's last n-gram
-            in the datastore; where it finds one, the target verifies up to this many tokens that most often followed
-            it there, and the drafter skips the cycle. Needs `datastore_size`. Unset: no datastore lookup.
+            in the datastore; where it finds one, the target verifies up to this many tokens, each the one that most
+            often followed the longest n-gram the context ends with once the tokens before it are appended, and the
+            drafter skips the cycle. Needs `datastore_size`. Unset: no datastore lookup.
         datastore_max_ngram_size (`int`, defaults to 6), datastore_min_ngram_size (`int`, defaults to 3): n-gram sizes
             looked up in the datastore, longest first.
     """

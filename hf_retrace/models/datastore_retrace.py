@@ -1,8 +1,8 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
 # Hub file: imports torch only, so `trust_remote_code=True` loads it.
-"""Datastore lookup (REST, He et al., 2024; vLLM's suffix decoding draws on a cache of past outputs the same way): the
-continuation that most often followed the context's last n-gram in a fixed corpus of the target's own responses."""
+"""Datastore lookup (REST, He et al., 2024; suffix decoding, Oliaro et al., 2024, in vLLM and Arctic Inference): the
+continuation that most often followed the context in a fixed corpus of the target's own responses."""
 
 import torch
 
@@ -34,12 +34,17 @@ def _window_keys(token_ids: torch.LongTensor, sizes: set[int]) -> dict[int, torc
 
 
 class NgramDatastore:
-    """Index of `(n-gram -> most frequent next num_tokens tokens)` over a fixed token corpus, for n in
+    """Index of `(n-gram -> most frequent next token)` over a fixed token corpus, for n in
     `[min_ngram_size, max_ngram_size]`; built once (a few sorts: ~3 s for 4 sizes of 1.75M tokens on one core).
+
+    A lookup walks it: the next token of the longest indexed n-gram the context ends with, appended, and again from
+    the longer context, up to `num_tokens` tokens (suffix decoding's greedy path, one n-gram order at a time). Each
+    step re-matches the longest n-gram, so the proposal follows the corpus as long as the context has; on the
+    evaluation prompts this proposes more accepted tokens than storing each n-gram's most frequent `num_tokens`-gram.
 
     Args:
         token_ids (`torch.Tensor` of shape `(S,)`): responses concatenated, [`SEPARATOR`] between them.
-        num_tokens (`int`): `m`, the continuation length stored and proposed.
+        num_tokens (`int`): `m`, the most tokens a lookup proposes (the index does not depend on it).
         max_ngram_size (`int`), min_ngram_size (`int`): n-gram sizes indexed; a lookup tries the longest first.
     """
 
@@ -55,45 +60,58 @@ class NgramDatastore:
         self.tables = self._build()
 
     def _build(self) -> dict[int, tuple[torch.LongTensor, torch.LongTensor]]:
-        """`{n: (keys [U], positions [U])}`: the sorted distinct n-gram keys, and for each the position where its most
-        frequent continuation starts (ties: the earliest). Entry `i` is the n-gram `ids[i-n : i]` followed by
-        `ids[i : i+m]`, kept when neither crosses a separator."""
-        ids, m = self.token_ids, self.num_tokens
+        """`{n: (keys [U], positions [U])}`: the sorted distinct n-gram keys, and for each a position `i` where its
+        most frequent next token `ids[i]` follows it (ties: the smallest id, at its earliest). Entry `i` is the
+        n-gram `ids[i-n : i]` followed by `ids[i]`, kept when none of the `n + 1` tokens is a separator."""
+        ids = self.token_ids
         length = ids.shape[0]
-        keys = _window_keys(ids.clamp(min=0), {*self.ngram_sizes, m})
-        # separators in ids[:j] = seps[j]; entry i is valid when ids[i-n : i+m] holds none
+        keys = _window_keys(ids.clamp(min=0), set(self.ngram_sizes))
+        # separators in ids[:j] = seps[j]; entry i is valid when ids[i-n : i+1] holds none
         seps = torch.nn.functional.pad((ids == SEPARATOR).long().cumsum(0), (1, 0))
         tables = {}
         for n in self.ngram_sizes:
-            starts = torch.arange(n, max(length - m + 1, n))
-            starts = starts[seps[starts + m] == seps[starts - n]]
-            tables[n] = _most_frequent(keys[n][starts], keys[m][starts + m], starts)
+            starts = torch.arange(n, max(length, n))
+            starts = starts[seps[starts + 1] == seps[starts - n]]
+            tables[n] = _most_frequent(keys[n][starts], ids[starts], starts)
         return tables
 
+    def next_token(self, context: torch.LongTensor) -> int | None:
+        """The most frequent next token of the longest indexed n-gram that `context` (`(T,)`, CPU) ends with."""
+        tail = context[-self.ngram_sizes[0] :]
+        keys = _window_keys(tail, set(self.ngram_sizes))  # keys[n][-1]: the key of the last n tokens, as stored
+        for n in self.ngram_sizes:
+            if tail.shape[0] < n:
+                continue
+            table_keys, positions = self.tables[n]
+            key = keys[n][-1:]
+            index = int(torch.searchsorted(table_keys, key))
+            if index == table_keys.shape[0] or table_keys[index] != key[0]:
+                continue
+            position = int(positions[index])
+            if torch.equal(self.token_ids[position - n : position], tail[-n:]):  # a hash collision proposes nothing
+                return int(self.token_ids[position])
+        return None
+
     def candidates(self, input_ids: torch.LongTensor, num_tokens: int | None = None) -> torch.LongTensor | None:
-        """The stored continuation of the longest indexed n-gram the context ends with.
+        """The walk from the committed tokens: each step appends the next token of the longest indexed n-gram the
+        context (committed tokens, then the tokens proposed so far) ends with; it stops after `num_tokens` tokens or
+        where no indexed n-gram matches.
 
         Args:
             input_ids (`torch.LongTensor` of shape `(T,)`): the committed tokens.
-            num_tokens (`int`, *optional*): most candidates returned (at most the `num_tokens` indexed).
+            num_tokens (`int`, *optional*): most candidates returned (at most `self.num_tokens`, the default).
         Returns:
-            `torch.LongTensor` of shape `(m,)`, or `None` when no indexed n-gram ends the context.
+            `torch.LongTensor` of shape `(m,)`, `1 <= m <= num_tokens`; `None` when no indexed n-gram ends the context.
         """
-        context = input_ids.to(torch.long).cpu()
-        count = self.num_tokens if num_tokens is None else min(num_tokens, self.num_tokens)
-        for n in self.ngram_sizes:
-            if context.shape[0] < n:
-                continue
-            keys, positions = self.tables[n]
-            query = context[-n:]
-            key = _window_keys(query, {n})[n][n:]  # [1]: the key of the whole query, as the table's were computed
-            index = int(torch.searchsorted(keys, key))
-            if index == keys.shape[0] or keys[index] != key[0]:
-                continue
-            start = int(positions[index])
-            if torch.equal(self.token_ids[start - n : start], query):  # a hash collision proposes nothing
-                return self.token_ids[start : start + count].to(input_ids.device)
-        return None
+        context = input_ids[-self.ngram_sizes[0] :].to(torch.long).cpu()
+        proposed = []
+        for _ in range(self.num_tokens if num_tokens is None else min(num_tokens, self.num_tokens)):
+            token = self.next_token(context)
+            if token is None:
+                break
+            proposed.append(token)
+            context = torch.cat([context, context.new_tensor([token])])[-self.ngram_sizes[0] :]
+        return torch.tensor(proposed, dtype=torch.long, device=input_ids.device) if proposed else None
 
 
 def _most_frequent(

@@ -229,14 +229,13 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
         self.register_buffer("datastore_token_ids", ids.to(self.fc.weight.device), persistent=True)
 
     def datastore(self, num_tokens: int, max_ngram_size: int, min_ngram_size: int) -> NgramDatastore:
-        """The [`NgramDatastore`] index of `datastore_token_ids` for these settings, built on first use (~3 s for the
-        shipped 1.75M tokens) and kept until they change."""
+        """The [`NgramDatastore`] index of `datastore_token_ids` for these n-gram sizes, built on first use (~3 s for
+        the shipped 1.75M tokens) and kept until they change (`num_tokens` only bounds a lookup's walk)."""
         ids = self.datastore_token_ids
         if ids is None:
             raise ValueError("this drafter has no datastore: attach one with `set_datastore(responses)`")
         index = self._datastore_index
-        settings = (num_tokens, max_ngram_size, min_ngram_size)
-        if index is None or (index.num_tokens, index.ngram_sizes[0], index.ngram_sizes[-1]) != settings:
+        if index is None or (index.ngram_sizes[0], index.ngram_sizes[-1]) != (max_ngram_size, min_ngram_size):
             # `set_datastore` ends every response with a separator and keeps ids in the vocabulary; a checkpoint
             # without the buffer loads it uninitialised, which this catches before garbage ids reach the target
             if ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size:
@@ -245,7 +244,9 @@ class ReTraceDrafterModel(ReTraceDrafterPreTrainedModel):
                     "or corrupts it. Attach the responses again with `set_datastore(responses)` or `hf-retrace "
                     "datastore`, or set datastore_size and datastore_num_tokens to null in config.json"
                 )
-            index = self._datastore_index = NgramDatastore(self.datastore_token_ids, *settings)
+            index = NgramDatastore(self.datastore_token_ids, num_tokens, max_ngram_size, min_ngram_size)
+            self._datastore_index = index
+        index.num_tokens = num_tokens
         return index
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
