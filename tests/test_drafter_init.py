@@ -110,3 +110,37 @@ def test_grow_errors(tmp_path):
         ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_grow_layers=2)
     with pytest.raises(ValueError, match="drafter_grow_layers must be >= 0"):
         ReTraceConfig(output_dir=str(tmp_path), use_cpu=True, drafter_name_or_path="x", drafter_grow_layers=-1)
+
+
+def test_drafter_reading_more_target_layers_drafts_exactly_what_the_trained_one_did(tmp_path):
+    """A superset of a loaded drafter's target layers (`drafter_target_layer_ids`) adds zero `fc` slices: through
+    save/load and generation the drafter drafts as before, output stays the target's, and the new slice gets
+    gradient."""
+    from conftest import make_drafter, make_target, random_prompt
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="off")
+    assert drafter.config.target_layer_ids == [2]
+    new = [0, 2, 3]  # a layer in front of the drafter's and one behind it
+    drafter.save_pretrained(tmp_path / "trained")
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    common["drafter_name_or_path"] = str(tmp_path / "trained")
+    wider = init_drafter(ReTraceConfig(**common, drafter_target_layer_ids=new), target)
+    assert wider.config.target_layer_ids == new and wider.fc.weight.shape[1] == len(new) * wider.config.hidden_size
+    wider.save_pretrained(tmp_path / "wider")
+    reloaded = ReTraceDrafterModel.from_pretrained(tmp_path / "wider", dtype=torch.float32).eval()
+    for i in range(6):
+        prompt = random_prompt(3 + i, seed=i)
+        runs = []
+        for model in (drafter, reloaded):
+            out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=model)
+            runs.append((out.tolist(), model.last_generation_stats.acceptance_lengths))
+        assert runs[0] == runs[1], f"prompt {i}: the drafter reading more layers drafts differently"
+        assert runs[0][0] == target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24).tolist()
+    hidden = wider.config.hidden_size
+    wider.train()
+    wider(torch.randn(1, 4, hidden), torch.randn(1, 5, len(new) * hidden)).last_hidden_state.square().sum().backward()
+    added = new.index(0)
+    assert wider.fc.weight.grad[:, added * hidden : (added + 1) * hidden].abs().sum() > 0
+    with pytest.raises(ValueError, match="a trained drafter can read more layers, not fewer"):
+        init_drafter(ReTraceConfig(**common, drafter_target_layer_ids=[0, 3]), target)

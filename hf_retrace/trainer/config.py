@@ -46,6 +46,8 @@ class ReTraceConfig(TrainingArguments):
             ([`grow_drafter_depth`]: copies of its last layer with zeroed output projections, so the grown drafter
             starts as the trained one). A resumed run grows the same drafter again, then loads the checkpoint.
         drafter_target_layer_ids (`list[int]`, *optional*): target layers of a fresh drafter (DFlash rule if unset).
+            For a loaded drafter, a superset of its layers: the new layers' `fc` columns start at zero
+            ([`add_target_layers`]), so it starts as the trained one. A resumed run adds them again, then loads.
         drafter_mask_token_id (`int`, *optional*): mask token of a fresh drafter (last vocabulary id if unset).
         retrace_mode (`str`, *optional*): `off`, `overwrite`, `gated` or `corrected`; unset keeps the drafter's.
         drafter_draft_vocab_size (`int`, *optional*): give the drafter a reduced draft vocabulary of this many
@@ -127,7 +129,9 @@ class ReTraceConfig(TrainingArguments):
                   "zeroed output projections), to train a deeper drafter from a trained one."},
     )
     drafter_target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "Target layers read by a fresh drafter (DFlash rule if unset)."}
+        default=None,
+        metadata={"help": "Target layers read by a fresh drafter (DFlash rule if unset), or by a loaded one: a "
+                  "superset of its layers, the new ones starting with zero fc columns."},
     )
     drafter_init: str = field(
         default="random",

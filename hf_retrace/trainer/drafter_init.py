@@ -13,7 +13,8 @@ compute budget, starting from the target's own top of stack converges much faste
 
 A trained drafter can also be made deeper without losing what it learned ([`grow_drafter_depth`]): each new layer
 is a copy of its last one with both residual-branch output projections zeroed, so it adds exactly zero to the
-residual stream and the grown drafter computes the same function until training moves it.
+residual stream and the grown drafter computes the same function until training moves it. It can likewise read
+more target layers ([`add_target_layers`]): the new layers' columns of `fc` start at zero.
 """
 
 import copy
@@ -93,4 +94,40 @@ def grow_drafter_depth(drafter: nn.Module, num_new_layers: int) -> list[str]:
     return [f"layers.{i}.{name}" for i in range(first, config.num_hidden_layers) for name, _ in drafter.layers[i].named_parameters()]
 
 
-__all__ = ["grow_drafter_depth", "init_drafter_from_target"]
+@torch.no_grad()
+def add_target_layers(drafter: nn.Module, target_layer_ids: list[int]) -> list[int]:
+    """Makes a trained `drafter` read `target_layer_ids`, a superset of its own, without changing its outputs.
+
+    `fc` maps the concatenated features `[f_{l_1}, .., f_{l_K}]` (`K * H`) to the drafter's context; the new `fc` has a
+    `[H, H]` slice per layer of `target_layer_ids`, each old layer's slice copied to its new place and each new layer's
+    zero, so the context is unchanged at step 0 while the new slices still get gradient (the features are not zero).
+
+    Args:
+        drafter ([`ReTraceDrafterModel`]): a loaded drafter; `config.target_layer_ids` is updated.
+        target_layer_ids (`list[int]`): the layers to read, in the order their features are concatenated.
+    Returns:
+        `list[int]`: the layers added.
+    Raises:
+        ValueError: if `target_layer_ids` drops one of the drafter's layers, repeats one, or exceeds the target.
+    """
+    config, hidden = drafter.config, drafter.config.hidden_size
+    old = list(config.target_layer_ids)
+    new = list(target_layer_ids)
+    if len(set(new)) != len(new) or not set(old) <= set(new) or max(new) >= config.num_target_layers or min(new) < 0:
+        raise ValueError(
+            f"drafter_target_layer_ids {new} must list each of the loaded drafter's target layers {old} once, plus "
+            f"the layers to add, all in [0, {config.num_target_layers}); a trained drafter can read more layers, "
+            "not fewer"
+        )
+    weight = drafter.fc.weight  # [H, K*H]: slice k reads target layer old[k]
+    grown = weight.new_zeros(hidden, len(new) * hidden)
+    for k, layer in enumerate(old):
+        j = new.index(layer)
+        grown[:, j * hidden : (j + 1) * hidden] = weight[:, k * hidden : (k + 1) * hidden]
+    drafter.fc = nn.Linear(len(new) * hidden, hidden, bias=False, device=weight.device, dtype=weight.dtype)
+    drafter.fc.weight.copy_(grown)
+    config.target_layer_ids = new
+    return [layer for layer in new if layer not in old]
+
+
+__all__ = ["add_target_layers", "grow_drafter_depth", "init_drafter_from_target"]

@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from .drafter_init import grow_drafter_depth, init_drafter_from_target
+from .drafter_init import add_target_layers, grow_drafter_depth, init_drafter_from_target
 from ..models.modeling_retrace import ReTraceDrafterModel
 from .config import ReTraceConfig
 
@@ -61,7 +61,9 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
     `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size` when set:
     B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned at B = 8;
     it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13 (session 5 bench).
-    `args.drafter_grow_layers` then deepens a loaded drafter without changing its outputs ([`grow_drafter_depth`]).
+    `args.drafter_grow_layers` then deepens a loaded drafter without changing its outputs ([`grow_drafter_depth`]),
+    and `args.drafter_target_layer_ids`, a superset of its layers, makes it read more target layers
+    ([`add_target_layers`]).
     """
     path = args.drafter_name_or_path or model_name_or_path
     if path is not None:
@@ -69,6 +71,10 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
         drafter = ReTraceDrafterModel.from_pretrained(path, dtype=torch.float32, **overrides)
         if args.drafter_grow_layers:
             grow_drafter_depth(drafter, args.drafter_grow_layers)
+        if args.drafter_target_layer_ids is not None and list(args.drafter_target_layer_ids) != list(
+            drafter.config.target_layer_ids
+        ):
+            add_target_layers(drafter, list(args.drafter_target_layer_ids))
     else:
         overrides = dict(num_hidden_layers=args.drafter_num_layers, block_size=args.block_size or 16)
         if args.drafter_anchor_broadcast:
