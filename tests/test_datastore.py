@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_drafter, make_target, random_prompt
 from hf_retrace import ReTraceDrafterConfig, ReTraceDrafterModel
-from hf_retrace.models.datastore_retrace import SEPARATOR, NgramDatastore
+from hf_retrace.models.datastore_retrace import SEPARATOR, NgramDatastore, _suffix_keys, _window_keys
 
 
 def _flat(responses):
@@ -43,6 +43,18 @@ def test_datastore_walks_the_most_frequent_next_token_of_the_longest_ngram():
             assert _reference_next(responses, context, [4, 3, 2]) is None, (context, proposed)
         lengths[len(proposed)] += 1
     assert lengths[0] > 10 and lengths[3] > 250, lengths  # both ends of the walk were checked
+
+
+def test_suffix_keys_are_the_table_keys():
+    """A lookup hashes its query in Python integers, the index its corpus with tensors: the keys must be equal."""
+    ids = torch.randint(0, 2**18, (40,), generator=torch.Generator().manual_seed(0))
+    sizes = [6, 5, 4, 3, 1]
+    table = _window_keys(ids, set(sizes))
+    for i in range(len(ids) + 1):
+        query = _suffix_keys(ids[:i].tolist(), sizes)
+        assert sorted(query) == sorted(n for n in sizes if n <= i)
+        for n, key in query.items():
+            assert key == int(table[n][i]), (i, n)
 
 
 def test_datastore_never_spans_two_responses():
