@@ -72,11 +72,28 @@ def test_errors(target, tmp_path):
         init_drafter_from_target(deep, target)
 
 
+def _assert_drafts_as_before(target, trained, changed, folder):
+    """`changed`, saved to `folder` and loaded back, drafts exactly what `trained` did: same acceptance lengths on every
+    prompt, and output stays the target's."""
+    from conftest import random_prompt
+
+    changed.save_pretrained(folder)
+    reloaded = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
+    for i in range(6):
+        prompt = random_prompt(3 + i, seed=i)
+        runs = []
+        for model in (trained, reloaded):
+            out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=model)
+            runs.append((out.tolist(), model.last_generation_stats.acceptance_lengths))
+        assert runs[0] == runs[1], f"prompt {i}: {folder.name} drafts differently"
+        assert runs[0][0] == target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24).tolist()
+
+
 def test_grown_drafter_drafts_exactly_what_the_trained_one_did(tmp_path):
     """Depth growth is function-preserving through save/load and the inference path (context cache, per-layer
     index): the grown drafter's acceptance lengths equal the original's on every prompt, output stays the target's,
     and the new layers still receive gradient."""
-    from conftest import make_drafter, make_target, random_prompt
+    from conftest import make_drafter, make_target
 
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
@@ -86,16 +103,7 @@ def test_grown_drafter_drafts_exactly_what_the_trained_one_did(tmp_path):
     assert grown.config.num_hidden_layers == 3 and len(grown.config.layer_types) == 3
     assert [layer.self_attn.layer_idx for layer in grown.layers] == [0, 1, 2]
     torch.testing.assert_close(grown.layers[2].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
-    grown.save_pretrained(tmp_path / "grown")
-    reloaded = ReTraceDrafterModel.from_pretrained(tmp_path / "grown", dtype=torch.float32).eval()
-    for i in range(6):
-        prompt = random_prompt(3 + i, seed=i)
-        runs = []
-        for model in (drafter, reloaded):
-            out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=model)
-            runs.append((out.tolist(), model.last_generation_stats.acceptance_lengths))
-        assert runs[0] == runs[1], f"prompt {i}: the grown drafter drafts differently"
-        assert runs[0][0] == target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24).tolist()
+    _assert_drafts_as_before(target, drafter, grown, tmp_path / "grown")
     # zero output projections, yet gradient reaches them (d loss / d o_proj = the attention output)
     noise = torch.randn(1, 4, grown.config.hidden_size)
     context = torch.randn(1, 5, len(grown.config.target_layer_ids) * grown.config.hidden_size)
@@ -116,7 +124,7 @@ def test_drafter_reading_more_target_layers_drafts_exactly_what_the_trained_one_
     """A superset of a loaded drafter's target layers (`drafter_target_layer_ids`) adds zero `fc` slices: through
     save/load and generation the drafter drafts as before, output stays the target's, and the new slice gets
     gradient."""
-    from conftest import make_drafter, make_target, random_prompt
+    from conftest import make_drafter, make_target
 
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
@@ -127,16 +135,7 @@ def test_drafter_reading_more_target_layers_drafts_exactly_what_the_trained_one_
     common["drafter_name_or_path"] = str(tmp_path / "trained")
     wider = init_drafter(ReTraceConfig(**common, drafter_target_layer_ids=new), target)
     assert wider.config.target_layer_ids == new and wider.fc.weight.shape[1] == len(new) * wider.config.hidden_size
-    wider.save_pretrained(tmp_path / "wider")
-    reloaded = ReTraceDrafterModel.from_pretrained(tmp_path / "wider", dtype=torch.float32).eval()
-    for i in range(6):
-        prompt = random_prompt(3 + i, seed=i)
-        runs = []
-        for model in (drafter, reloaded):
-            out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=model)
-            runs.append((out.tolist(), model.last_generation_stats.acceptance_lengths))
-        assert runs[0] == runs[1], f"prompt {i}: the drafter reading more layers drafts differently"
-        assert runs[0][0] == target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24).tolist()
+    _assert_drafts_as_before(target, drafter, wider, tmp_path / "wider")
     hidden = wider.config.hidden_size
     wider.train()
     wider(torch.randn(1, 4, hidden), torch.randn(1, 5, len(new) * hidden)).last_hidden_state.square().sum().backward()
