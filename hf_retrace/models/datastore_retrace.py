@@ -13,6 +13,8 @@ SEPARATOR = -1  # between responses in the flat token buffer: no n-gram or conti
 # token ids below 2^18, so the arithmetic never overflows int64 (a 1.5M-entry table collides with probability ~1e-7,
 # and a lookup checks the stored n-gram anyway)
 _PRIMES = (2_147_483_647, 2_147_483_629)
+_BASE = 2**18  # above every token id
+_SHIFT = 2**31  # key = hash_0 * _SHIFT + hash_1
 
 
 def _window_keys(token_ids: torch.LongTensor, sizes: set[int]) -> dict[int, torch.LongTensor]:
@@ -27,9 +29,9 @@ def _window_keys(token_ids: torch.LongTensor, sizes: set[int]) -> dict[int, torc
         for k, prime in enumerate(_PRIMES):
             if n <= length:  # no window of size n otherwise
                 parts[k][n:] = (parts[k][n:] + token_ids[: length + 1 - n] * powers[k]) % prime
-            powers[k] = powers[k] * 262_144 % prime
+            powers[k] = powers[k] * _BASE % prime
         if n in sizes:
-            out[n] = parts[0] * 2_147_483_648 + parts[1]
+            out[n] = parts[0] * _SHIFT + parts[1]
     return out
 
 
@@ -41,9 +43,9 @@ def _suffix_keys(tokens: list[int], sizes: list[int]) -> dict[int, int]:
     for n, token in enumerate(reversed(tokens[-max(sizes) :]), start=1):
         for k, prime in enumerate(_PRIMES):
             parts[k] = (parts[k] + token * powers[k]) % prime
-            powers[k] = powers[k] * 262_144 % prime
+            powers[k] = powers[k] * _BASE % prime
         if n in sizes:
-            out[n] = parts[0] * 2_147_483_648 + parts[1]
+            out[n] = parts[0] * _SHIFT + parts[1]
     return out
 
 
@@ -52,9 +54,9 @@ class NgramDatastore:
     `[min_ngram_size, max_ngram_size]`; built once (a few sorts: ~3 s for 4 sizes of 1.75M tokens on one core).
 
     A lookup walks it: the next token of the longest indexed n-gram the context ends with, appended, and again from
-    the longer context, up to `num_tokens` tokens (suffix decoding's greedy path, one n-gram order at a time). Each
-    step re-matches the longest n-gram, so the proposal follows the corpus as long as the context has; on the
-    evaluation prompts this proposes more accepted tokens than storing each n-gram's most frequent `num_tokens`-gram.
+    the longer context, up to `num_tokens` tokens (suffix decoding's greedy path). Each step re-matches the longest
+    n-gram of the extended context, so a proposal is not tied to one occurrence of the first n-gram; replayed on the
+    evaluation prompts, this accepts more than proposing each n-gram's most frequent `num_tokens`-gram (session 15).
 
     Args:
         token_ids (`torch.Tensor` of shape `(S,)`): responses concatenated, [`SEPARATOR`] between them.
