@@ -56,7 +56,7 @@ class NgramDatastore:
     A lookup walks it: the next token of the longest indexed n-gram the context ends with, appended, and again from
     the longer context, up to `num_tokens` tokens (suffix decoding's greedy path). Each step re-matches the longest
     n-gram of the extended context, so a proposal is not tied to one occurrence of the first n-gram; replayed on the
-    evaluation prompts, this accepts more than proposing each n-gram's most frequent `num_tokens`-gram (session 15).
+    evaluation prompts, this accepts more than proposing each n-gram's most frequent `num_tokens`-gram.
 
     Args:
         token_ids (`torch.Tensor` of shape `(S,)`): responses concatenated, [`SEPARATOR`] between them.
