@@ -65,6 +65,8 @@ def test_datastore_never_spans_two_responses():
     assert index.candidates(torch.tensor([3])) is None  # nothing of the next response follows 3
     assert index.candidates(torch.tensor([4, 5]), num_tokens=1).tolist() == [6]
     assert index.candidates(torch.tensor([4]), num_tokens=5).tolist() == [5, 6]  # never past its own num_tokens
+    with pytest.raises(ValueError, match="num_tokens >= 1, got 0"):
+        index.num_tokens = 0
     tiny = NgramDatastore(_flat([[1, 2]]), num_tokens=3, max_ngram_size=6, min_ngram_size=3)  # shorter than n + 1
     assert tiny.candidates(torch.tensor([1, 2])) is None and tiny.candidates(torch.tensor([1, 2, 1, 2])) is None
 
@@ -121,12 +123,18 @@ def test_datastore_lookup_is_lossless_and_runs_beside_drafts_and_prompt_lookup(m
     assert min(totals.values()) > 3, totals  # all three kinds of cycle ran
 
 
-def test_datastore_round_trips_through_save_pretrained(tmp_path):
+def _saved_drafter_with_datastore(folder, num_responses):
+    """A tiny drafter with the target's responses to `num_responses` prompts as its datastore, saved to `folder`."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
-    drafter.set_datastore(_greedy_responses(target, range(3)))
+    drafter.set_datastore(_greedy_responses(target, range(num_responses)))
     drafter.config.datastore_num_tokens = 2
-    drafter.save_pretrained(tmp_path)
+    drafter.save_pretrained(folder)
+    return target, drafter
+
+
+def test_datastore_round_trips_through_save_pretrained(tmp_path):
+    target, drafter = _saved_drafter_with_datastore(tmp_path, 3)
     assert (tmp_path / "datastore_retrace.py").is_file()  # the remote-code copy needs it
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
     assert torch.equal(loaded.datastore_token_ids, drafter.datastore_token_ids)
@@ -181,11 +189,7 @@ def test_datastore_command_stores_pool_responses_with_the_drafter(tmp_path, caps
 def test_a_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    target = make_target("qwen3")
-    drafter = make_drafter(target, block_size=4, mode="off")
-    drafter.set_datastore(_greedy_responses(target, range(2)))
-    drafter.config.datastore_num_tokens = 2
-    drafter.save_pretrained(tmp_path)
+    target, _ = _saved_drafter_with_datastore(tmp_path, 2)
     weights = load_file(tmp_path / "model.safetensors")
     weights.pop("datastore_token_ids")  # the buffer is then left uninitialised by from_pretrained
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})

@@ -65,15 +65,26 @@ class NgramDatastore:
     """
 
     def __init__(self, token_ids: torch.Tensor, num_tokens: int, max_ngram_size: int, min_ngram_size: int):
-        if not 1 <= min_ngram_size <= max_ngram_size or num_tokens < 1:
+        if not 1 <= min_ngram_size <= max_ngram_size:
             raise ValueError(
-                f"datastore lookup needs num_tokens >= 1 and 1 <= min_ngram_size <= max_ngram_size, got {num_tokens}, "
+                "datastore lookup needs 1 <= min_ngram_size <= max_ngram_size, got "
                 f"{min_ngram_size} and {max_ngram_size}"
             )
-        self.token_ids = token_ids.to(torch.long).cpu()
         self.num_tokens = num_tokens
+        self.token_ids = token_ids.to(torch.long).cpu()
         self.ngram_sizes = list(range(max_ngram_size, min_ngram_size - 1, -1))
         self.tables = self._build()
+
+    @property
+    def num_tokens(self) -> int:
+        """The most tokens a lookup proposes; settable, since the index does not depend on it."""
+        return self._num_tokens
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"datastore lookup needs num_tokens >= 1, got {value}")
+        self._num_tokens = value
 
     def _build(self) -> dict[int, tuple[torch.LongTensor, torch.LongTensor]]:
         """`{n: (keys [U], positions [U])}`: the sorted distinct n-gram keys, and for each a position `i` where its
