@@ -90,7 +90,8 @@ def test_slot_log_likelihoods_chunked_equals_whole():
     labels = torch.randint(0, 9, (11,), generator=generator)
     whole = -F.cross_entropy(hidden @ weight.T, labels, reduction="none")
     (grad_whole,) = torch.autograd.grad(whole.sum(), hidden)
-    chunked, argmax = slot_log_likelihoods(hidden, weight, labels, chunk_rows=4)  # checkpointed chunks
+    chunked, argmax, soft = slot_log_likelihoods(hidden, weight, labels, chunk_rows=4)  # checkpointed chunks
+    assert soft is None
     (grad_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
     torch.testing.assert_close(chunked, whole)
     torch.testing.assert_close(grad_chunked, grad_whole)
@@ -125,3 +126,48 @@ def test_block_loss_eal_and_out_of_vocabulary_labels():
     eal_loss, _, _ = block_loss(hidden, labels, settings)
     eal_loss.backward()
     assert -1 / 3 <= eal_loss.item() <= 0 and hidden.grad.abs().sum() > 0
+
+
+def test_distillation_term_is_the_soft_cross_entropy_and_vanishes_at_the_teacher():
+    from hf_retrace.trainer.losses import slot_log_likelihoods
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 6, generator=generator, requires_grad=True)
+    teacher = torch.randn(11, 6, generator=generator)
+    weight = torch.randn(9, 6, generator=generator)
+    labels = torch.randint(0, 9, (11,), generator=generator)
+    expected = -((teacher @ weight.T).softmax(-1) * (hidden @ weight.T).log_softmax(-1)).sum(-1)
+    log_likelihood, _, soft = slot_log_likelihoods(hidden, weight, labels, chunk_rows=4, teacher_states=teacher)
+    torch.testing.assert_close(soft, expected)
+    torch.testing.assert_close(log_likelihood, -F.cross_entropy(hidden @ weight.T, labels, reduction="none"))
+    # the soft cross-entropy's gradient is W^T (q - p): zero where the drafter's state is the teacher's, not elsewhere
+    at_teacher = teacher.clone().requires_grad_(True)
+    _, _, soft = slot_log_likelihoods(at_teacher, weight, labels, chunk_rows=4, teacher_states=teacher)
+    (grad,) = torch.autograd.grad(soft.sum(), at_teacher)
+    torch.testing.assert_close(grad, torch.zeros_like(grad), atol=1e-5, rtol=0)
+    (grad,) = torch.autograd.grad(expected.sum(), hidden)
+    assert grad.abs().max() > 1e-2
+
+
+def test_block_loss_adds_the_weighted_distillation_term():
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.objective import LossSettings, block_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 10, bias=False)
+    hidden, teacher = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    labels = torch.tensor([[[-100, 1, 4, 8], [-100, 8, -100, -100]]])
+    settings = LossSettings(TrainingDraftHead.from_lm_head(head, torch.tensor([1, 4, 8])), loss_decay_weights(4, 1.0))
+    plain, _, metrics = block_loss(hidden, labels, settings)
+    assert "distillation" not in metrics
+    settings.distillation_weight = 0.5
+    with pytest.raises(ValueError, match="teacher_states"):
+        block_loss(hidden, labels, settings)
+    distilled, _, metrics = block_loss(hidden, labels, settings, teacher)
+    rows = head.weight[[1, 4, 8]]
+    keep = labels != -100
+    soft = -((teacher[keep] @ rows.T).softmax(-1) * (hidden[keep] @ rows.T).log_softmax(-1)).sum(-1)
+    w = loss_decay_weights(4, 1.0).expand(labels.shape)[keep]
+    expected = (soft * w).sum() / w.sum()
+    assert metrics["distillation"] == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(distilled, plain + 0.5 * expected)

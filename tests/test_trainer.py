@@ -212,12 +212,17 @@ def test_error_block_size_mismatch(target, dataset, tmp_path):
     "field, value",
     [
         ("training_mode", "eagle"), ("verification_features", "oracle"), ("retrace_mode", "both"), ("num_anchors", 0),
-        ("retrace_learning_rate", 0.0),
+        ("retrace_learning_rate", 0.0), ("distillation_weight", -1.0),
     ],  # fmt: skip
 )
 def test_error_bad_config_value(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         make_args(tmp_path, **{field: value})
+
+
+def test_error_distillation_outside_dflash_mode(tmp_path):
+    with pytest.raises(ValueError, match="training_mode='dflash' only"):
+        make_args(tmp_path, training_mode="retrace", distillation_weight=0.5)
 
 
 def test_evaluate_reports_loss_and_acceptance_deterministically(target, dataset, tmp_path):

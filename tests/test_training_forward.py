@@ -328,3 +328,64 @@ def test_block_labels_follow_the_greedy_chain():
     assert torch.equal(
         block_labels(ids, loss_mask, anchors, valid, B, target_ids=chain), block_labels(ids, loss_mask, anchors, valid, B)
     )
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=512, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+@pytest.mark.parametrize("layer_ids", [[1], [2, 0], [0, 3]])
+def test_final_states_resume_after_the_deepest_feature_layer(architecture, layer_ids):
+    """The distillation teacher: layers after the deepest cached one, fed its features, give the full forward's
+    post-norm last state (right-padded rows included: padding never reaches a real position)."""
+    from hf_retrace.trainer.target_features import final_hidden_states
+
+    target = build_tiny_target(seed=0) if architecture == "qwen3" else _tiny_llama()
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        full = target(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    feats = compute_target_features(target, ids, layer_ids, mask)
+    calls = []
+    handle = target.get_decoder().layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        final = final_hidden_states(target, ids, mask, feats, layer_ids)
+    finally:
+        handle.remove()
+    assert len(target.get_decoder().layers) == 4 and calls == []  # layer 0 never reruns; the list is restored
+    real = mask.bool()
+    torch.testing.assert_close(final[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+def test_distillation_step_uses_the_target_distribution(models):
+    """A step with `distillation_weight` adds the soft term to the same block loss (same anchors, same labels), and
+    its teacher states come from cached features alone."""
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.losses import loss_decay_weights
+    from hf_retrace.trainer.objective import LossSettings, dflash_training_step
+
+    target, drafter = models
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    mask, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
+    loss_mask[:, :4] = 0
+    feats = compute_target_features(target, ids, drafter.config.target_layer_ids, mask)
+    head = TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None)
+    plain = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=5, features=feats,
+                                 loss=LossSettings(head, loss_decay_weights(B, 1.0)),
+                                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    settings = LossSettings(head, loss_decay_weights(B, 1.0), distillation_weight=2.0)
+    distilled = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=5, features=feats,
+                                     loss=settings, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    soft = distilled.metrics["distillation"]
+    assert soft > 0
+    torch.testing.assert_close(distilled.loss, plain.loss + 2.0 * soft, atol=1e-4, rtol=1e-5)
+    assert distilled.metrics["acceptance"] == plain.metrics["acceptance"]

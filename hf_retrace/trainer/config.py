@@ -90,6 +90,10 @@ class ReTraceConfig(TrainingArguments):
             expected accepted length under greedy verification (maximised; `../shared/paper/004_*`) plus
             `eal_ce_weight` times the CE.
         eal_ce_weight (`float`, *optional*, defaults to `0.1`): weight of the CE inside the `eal` loss.
+        distillation_weight (`float`, *optional*, defaults to `0.0`): weight of a distillation term added to the
+            loss: the decayed cross-entropy of the drafter against the target's whole next-token distribution over
+            the draft vocabulary (a soft label), not only its greedy token. The target's final states come from the
+            layers after the deepest feature layer (2 of 30 for SmolLM2 read at layer 27). `dflash` mode only.
         loss_chunk_rows (`int`, *optional*, defaults to `4096`): draft-logit rows materialised at a time.
         max_blocks_per_forward (`int`, *optional*, defaults to `64`): blocks per drafter forward; bounds the block
             mask at `(n * B, T + n * B)` per row whatever `num_anchors` is.
@@ -178,6 +182,10 @@ class ReTraceConfig(TrainingArguments):
     )
     loss_type: str = field(default="ce", metadata={"help": f"Block loss, one of {LOSS_TYPES}."})
     eal_ce_weight: float = field(default=0.1, metadata={"help": "Weight of the CE inside the `eal` loss."})
+    distillation_weight: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the soft-label term (the target's next-token distribution); 0 = off; dflash."},
+    )
     loss_chunk_rows: int = field(default=4096, metadata={"help": "Draft-logit rows materialised at a time."})
     max_blocks_per_forward: int | None = field(
         default=64, metadata={"help": "Blocks per drafter forward (bounds the block mask); unset = all at once."}
@@ -236,6 +244,13 @@ class ReTraceConfig(TrainingArguments):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.eal_ce_weight < 0:
             raise ValueError(f"eal_ce_weight must be >= 0, got {self.eal_ce_weight}")
+        if self.distillation_weight < 0:
+            raise ValueError(f"distillation_weight must be >= 0, got {self.distillation_weight}")
+        if self.distillation_weight > 0 and self.training_mode != "dflash":
+            raise ValueError(
+                f"distillation_weight={self.distillation_weight} is implemented for training_mode='dflash' only, not "
+                f"{self.training_mode!r}; set it to 0 for ReTrace training."
+            )
         if not self.completion_only_loss and self.training_mode != "dflash":
             raise ValueError(
                 "completion_only_loss=False labels prompt blocks by the target's greedy chain, which the simulated "

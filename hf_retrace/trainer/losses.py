@@ -55,38 +55,54 @@ def block_cross_entropy(logits: torch.Tensor, labels: torch.LongTensor, weights:
     return (ce * weights.reshape(-1)).sum() / total.clamp_min(1e-6)
 
 
-def _chunk_log_likelihood(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor):
-    logits = F.linear(hidden, weight).float()  # [m, K]
-    log_likelihood = -F.cross_entropy(logits, labels, reduction="none")  # [m]
-    return log_likelihood, logits.detach().argmax(dim=-1)
+def _chunk_scores(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor, teacher: torch.Tensor | None):
+    log_probs = F.linear(hidden, weight).float().log_softmax(dim=-1)  # [m, K]
+    log_likelihood = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [m]
+    if teacher is None:
+        return log_likelihood, log_probs.detach().argmax(dim=-1)
+    with torch.no_grad():  # the target's next-token distribution over the same K rows
+        teacher_probs = F.linear(teacher.to(weight.dtype), weight).float().softmax(dim=-1)  # [m, K]
+    soft_cross_entropy = -(teacher_probs * log_probs).sum(dim=-1)  # [m]
+    return log_likelihood, log_probs.detach().argmax(dim=-1), soft_cross_entropy
 
 
 def slot_log_likelihoods(
-    hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor, chunk_rows: int = 4096
-) -> tuple[torch.Tensor, torch.LongTensor]:
+    hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.LongTensor, chunk_rows: int = 4096,
+    teacher_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]:  # fmt: skip
     """`log q(label)` and the argmax of every row, with the `[rows, K]` logits never all in memory.
 
     Rows are scored `chunk_rows` at a time under activation checkpointing: the backward pass recomputes a chunk's
     logits instead of keeping them, so peak memory is one `[chunk_rows, K]` fp32 block (the whole `[rows, K]` would
     be 3840 x 49152 x 4 B = 755 MB for one SmolLM2 step at full vocabulary).
 
+    With `teacher_states` (the target's final hidden state where it predicts each row's label), the same chunks also
+    give the distillation term `-sum_v p(v) log q(v)`, `p` the target's softmax over the same `K` lm-head rows: the
+    target's whole next-token distribution instead of its one greedy token, at the cost of one more `[chunk, K]`
+    product without gradient.
+
     Args:
         hidden_states (`torch.Tensor` of shape `(M, hidden)`): drafter states of supervised slots.
         weight (`torch.Tensor` of shape `(K, hidden)`): lm-head rows of the draft vocabulary (frozen).
         labels (`torch.LongTensor` of shape `(M,)`): label indices into those `K` rows (all valid).
+        teacher_states (`torch.Tensor` of shape `(M, hidden)`, *optional*): post-norm target states (no gradient).
     Returns:
-        `(log_likelihood, argmax)`: `(M,)` float32 (differentiable) and `(M,)` indices into the `K` rows.
+        `(log_likelihood, argmax, soft_cross_entropy)`: `(M,)` float32 (differentiable), `(M,)` indices into the `K`
+        rows, and `(M,)` float32 (differentiable) or `None` without `teacher_states`.
     """
     if hidden_states.shape[0] == 0:
-        return hidden_states.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
+        empty = hidden_states.new_zeros(0, dtype=torch.float32)
+        return empty, labels.new_zeros(0), (None if teacher_states is None else empty)
     hidden_states = hidden_states.to(weight.dtype)
+    teachers = [None] * len(labels.split(chunk_rows)) if teacher_states is None else teacher_states.split(chunk_rows)
     parts = [
-        checkpoint(_chunk_log_likelihood, h, weight, y, use_reentrant=False)
+        checkpoint(_chunk_scores, h, weight, y, t, use_reentrant=False)
         if torch.is_grad_enabled() and h.requires_grad
-        else _chunk_log_likelihood(h, weight, y)
-        for h, y in zip(hidden_states.split(chunk_rows), labels.split(chunk_rows))
+        else _chunk_scores(h, weight, y, t)
+        for h, y, t in zip(hidden_states.split(chunk_rows), labels.split(chunk_rows), teachers)
     ]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    soft = None if teacher_states is None else torch.cat([p[2] for p in parts])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), soft
 
 
 def expected_accepted_length(log_likelihood: torch.Tensor, acceptable: torch.BoolTensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..models.generation_retrace import ReTraceConditioning
 from .draft_vocab import TrainingDraftHead
 from .losses import IGNORE_INDEX, count_accepted, expected_accepted_length, slot_log_likelihoods
 from .masks import build_block_mask, build_verification_mask, to_additive_mask
-from .target_features import compute_target_features, embed_tokens
+from .target_features import compute_target_features, embed_tokens, final_hidden_states, token_positions
 
 
 VERIFICATION_FEATURES = ("faithful", "teacher_forced")
@@ -41,6 +41,8 @@ class LossSettings:
         loss_type (`str`): `"ce"` (decayed block CE) or `"eal"` (maximise the expected accepted length, plus
             `eal_ce_weight` x the CE).
         chunk_rows (`int`): rows of draft logits materialised at a time.
+        distillation_weight (`float`): weight of the decayed distillation term (the target's next-token distribution
+            as a soft label, [`slot_log_likelihoods`]) added to the loss; 0 turns it off.
     """
 
     head: TrainingDraftHead
@@ -48,26 +50,37 @@ class LossSettings:
     loss_type: str = "ce"
     eal_ce_weight: float = 0.1
     chunk_rows: int = 4096
+    distillation_weight: float = 0.0
 
 
-def block_loss(hidden_states: torch.Tensor, labels: torch.LongTensor, settings: LossSettings):
+def block_loss(
+    hidden_states: torch.Tensor, labels: torch.LongTensor, settings: LossSettings,
+    teacher_states: torch.Tensor | None = None,
+):  # fmt: skip
     """The block loss over supervised slots (the lm head never sees unsupervised rows).
 
     Args:
         hidden_states (`torch.Tensor` of shape `(b, N, B, hidden)`), labels (`torch.LongTensor` of shape
             `(b, N, B)`, target ids, `-100` unsupervised).
+        teacher_states (`torch.Tensor` of shape `(b, N, B, hidden)`, *optional*): the target's final state at
+            `p + k - 1` for slot `k` ([`slot_teacher_states`]); needed when `settings.distillation_weight > 0`.
     Returns:
         `(loss, drafts, metrics)`: scalar loss; `[b, N, B]` argmax drafts as target ids (`-1` on unsupervised
         slots, for the acceptance metric); `{"out_of_vocab": share of supervised labels outside the draft
-        vocabulary, which are never trained on and are always rejections at inference}`.
+        vocabulary, which are never trained on and are always rejections at inference}` (and `"distillation"`, the
+        decayed soft cross-entropy, when distilling).
     """
     head = settings.head
+    distill = settings.distillation_weight > 0
+    if distill and teacher_states is None:
+        raise ValueError("distillation_weight > 0 needs the target's final states (`teacher_states`) of the slots.")
     supervised = labels != IGNORE_INDEX  # [b, N, B]
     draft_labels = head.full_to_draft[labels.clamp_min(0)]  # [b, N, B]: row in the draft vocabulary, -1 outside
     in_vocab = supervised & (draft_labels >= 0)
-    log_likelihood, argmax = slot_log_likelihoods(
-        hidden_states[in_vocab], head.weight, draft_labels[in_vocab], settings.chunk_rows
-    )  # [M], [M]
+    log_likelihood, argmax, soft = slot_log_likelihoods(
+        hidden_states[in_vocab], head.weight, draft_labels[in_vocab], settings.chunk_rows,
+        teacher_states=teacher_states[in_vocab] if distill else None,
+    )  # fmt: skip  # [M], [M], [M] or None
     weights = settings.decay_weights.to(labels.device).expand(labels.shape)[in_vocab]
     ce = -(log_likelihood * weights).sum() / weights.sum().clamp_min(1e-6)
     if settings.loss_type == "eal":
@@ -78,10 +91,31 @@ def block_loss(hidden_states: torch.Tensor, labels: torch.LongTensor, settings: 
         loss = -eal / (labels.shape[-1] - 1) + settings.eal_ce_weight * ce
     else:
         loss = ce
+    metrics = {"out_of_vocab": float((supervised & ~in_vocab).sum()) / max(float(supervised.sum()), 1.0)}
+    if distill:
+        distillation = (soft * weights).sum() / weights.sum().clamp_min(1e-6)
+        loss = loss + settings.distillation_weight * distillation
+        metrics["distillation"] = distillation.item()
     drafts = torch.full_like(labels, -1)
     drafts[in_vocab] = head.draft_to_full[argmax]
-    out_of_vocab = float((supervised & ~in_vocab).sum()) / max(float(supervised.sum()), 1.0)
-    return loss, drafts, {"out_of_vocab": out_of_vocab}
+    return loss, drafts, metrics
+
+
+def slot_teacher_states(final_states: torch.Tensor, anchor_positions: torch.LongTensor, block_size: int):
+    """The target's final state that predicts each slot's label: position `p + k - 1` for slot `k` of the block at
+    `p` (slot 0's entry, position `p - 1`, is never supervised; clamped into the sequence).
+
+    Args:
+        final_states (`torch.Tensor` of shape `(b, T, hidden)`): [`final_hidden_states`] of the sequence.
+        anchor_positions (`torch.LongTensor` of shape `(b, N)`).
+    Returns:
+        `torch.Tensor` of shape `(b, N, B, hidden)`.
+    """
+    seq_len = final_states.shape[1]
+    slots = torch.arange(block_size, device=anchor_positions.device)
+    positions = (anchor_positions.unsqueeze(-1) + slots - 1).clamp(0, seq_len - 1).flatten(1)  # [b, N*B]
+    states = torch.gather(final_states, 1, positions.unsqueeze(-1).expand(-1, -1, final_states.shape[-1]))
+    return states.view(*anchor_positions.shape, block_size, -1)
 
 
 def sample_anchor_positions(
@@ -294,14 +328,6 @@ def faithful_verification_features(
     return out.scatter(2, index.clamp(max=block_size - 1).unsqueeze(-1).expand_as(feats), feats)
 
 
-def token_positions(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.LongTensor:
-    """RoPE positions `[b, T]` of a padded batch: 0, 1, ... over real tokens whatever the padding side (padding
-    slots get clamped values; they are masked everywhere). No mask: `0 .. T-1`."""
-    if attention_mask is None:
-        return torch.arange(shape[1]).expand(shape[0], -1)
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-
-
 @dataclass
 class TrainingStepOutput:
     """Loss of one step and its scalar metrics (plain floats, means over the step's valid blocks)."""
@@ -336,7 +362,11 @@ def dflash_training_step(
         drafter, target, input_ids, features, anchors, valid, attention_mask,
         max_blocks_per_forward=max_blocks_per_forward, config=config,
     )  # fmt: skip
-    value, drafts, extra = block_loss(hidden, labels, loss)
+    teacher = None
+    if loss.distillation_weight > 0:
+        final = final_hidden_states(target, input_ids, attention_mask, features, config.target_layer_ids)
+        teacher = slot_teacher_states(final, anchors, config.block_size)
+    value, drafts, extra = block_loss(hidden, labels, loss, teacher)
     accepted = count_accepted(drafts[..., 1:], labels[..., 1:])
     metrics = {"loss": value.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
     metrics["supervised_slots"] = float((labels != IGNORE_INDEX).sum())
@@ -487,5 +517,6 @@ __all__ = [
     "retrace_training_step",
     "sample_anchor_positions",
     "simulate_retrace_rounds",
+    "slot_teacher_states",
     "teacher_forced_verification_features",
 ]

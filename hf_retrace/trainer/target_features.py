@@ -81,6 +81,50 @@ def compute_target_features(
     return torch.cat([captured[k] for k in layer_ids], dim=-1)
 
 
+@torch.no_grad()
+def final_hidden_states(
+    target: nn.Module, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, features: torch.Tensor,
+    layer_ids: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """The target's post-norm last hidden state (its lm head's input), resumed from cached features.
+
+    The deepest layer in `features` is fed to the layers after it as `inputs_embeds`, so only those layers run (2 of
+    30 for SmolLM2 read at layer 27): the decoder must pass `inputs_embeds` to its first layer unchanged, as Llama,
+    Mistral and Qwen2/3 do. The result equals a full forward up to the features' dtype (bf16 in a feature cache).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(batch, T)`), attention_mask (`(batch, T)`, *optional*): the sequence.
+        features (`torch.Tensor` of shape `(batch, T, len(layer_ids) * hidden)`): [`compute_target_features`].
+        layer_ids (`list[int]`): the layers of `features`, in its column order.
+    Returns:
+        `torch.Tensor` of shape `(batch, T, hidden)` in the target's dtype.
+    """
+    deepest = max(layer_ids)
+    width = features.shape[-1] // len(layer_ids)
+    column = layer_ids.index(deepest) * width
+    hidden = features[..., column : column + width].to(target.get_input_embeddings().weight.dtype)
+    num_layers = target.config.get_text_config().num_hidden_layers
+    if deepest == num_layers - 1:  # `hidden_states[-1]` is already post-norm
+        return hidden
+    decoder, layers = target.get_decoder(), _decoder_layers(target)
+    if layers is None:
+        raise ValueError(f"{type(decoder).__name__} has no `layers` list to resume after layer {deepest} from.")
+    positions = token_positions(attention_mask, input_ids.shape).to(input_ids.device)
+    decoder.layers = layers[deepest + 1 :]  # the same modules; the full list is put back below
+    try:
+        return decoder(inputs_embeds=hidden, attention_mask=attention_mask, position_ids=positions).last_hidden_state
+    finally:
+        decoder.layers = layers
+
+
+def token_positions(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.LongTensor:
+    """RoPE positions `[b, T]` of a padded batch: 0, 1, ... over real tokens whatever the padding side (padding
+    slots get clamped values; they are masked everywhere). No mask: `0 .. T-1`."""
+    if attention_mask is None:
+        return torch.arange(shape[1]).expand(shape[0], -1)
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+
+
 def embed_tokens(target: nn.Module, input_ids: torch.LongTensor) -> torch.Tensor:
     """Target input embeddings WITHOUT an optional `embed_norm`, as transformers' DFlash generator builds
     `noise_embeds` (`DFlashTokenCandidateGenerator._get_noise_embeds`)."""
@@ -95,4 +139,4 @@ def embed_tokens(target: nn.Module, input_ids: torch.LongTensor) -> torch.Tensor
         embedding.embed_norm = embed_norm
 
 
-__all__ = ["compute_target_features", "embed_tokens"]
+__all__ = ["compute_target_features", "embed_tokens", "final_hidden_states", "token_positions"]

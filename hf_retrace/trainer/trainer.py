@@ -86,6 +86,7 @@ class ReTraceTrainer(Trainer):
         self.loss_settings = LossSettings(
             head=_draft_head(self.target, _draft_vocab_ids(model)), decay_weights=self.decay_weights,
             loss_type=args.loss_type, eal_ce_weight=args.eal_ce_weight, chunk_rows=args.loss_chunk_rows,
+            distillation_weight=args.distillation_weight,
         )  # fmt: skip
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._micro_step = (-1, 0)  # (global step, micro-batch index within it) for the anchor seed
