@@ -3,10 +3,11 @@
 
 Each drafter is scored by the trainer's own evaluation (the training objective under `no_grad`, the same anchors for
 every drafter and split): `acceptance` is the mean number of greedily accepted drafts per block against the labels,
-`loss` the decayed block loss. A split is `NAME=START:END`, a row range of the cache in shard order, so rows added to
-a pool after a drafter was trained are held out from it. A large seen/held-out gap means the drafter is limited by
-data, not by steps. `--vocab` scores each drafter with other draft vocabularies (the ids only pick rows of the
-target's frozen head, so no retraining): `saved`, `full`, or `K` re-ranked on the responses of `--rank-rows`.
+`n>=k` the share of blocks with at least `k` accepted drafts, `loss` the decayed block loss. A split is
+`NAME=START:END`, a row range of the cache in shard order, so rows added to a pool after a drafter was trained are
+held out from it. A large seen/held-out gap means the drafter is limited by data, not by steps. `--vocab` scores
+each drafter with other draft vocabularies (the ids only pick rows of the target's frozen head, so no retraining):
+`saved`, `full`, or `K` re-ranked on the responses of `--rank-rows`.
 
 Usage (the shipped drafter saw shards 0-11 of the SmolLM2 pool, 1,664 rows; shard 13 came later):
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         splits[name] = dataset.select(_row_range(rows, len(dataset), parser))
     vocab_size = target.config.vocab_size
     vocabs = {v: _vocabulary(v, dataset, args.rank_rows, vocab_size, parser) for v in args.vocab or ["saved"]}
-    print(f"{'drafter':<14}{'vocab':<8}{'split':<10}{'rows':>6}{'acceptance':>12}{'loss':>9}{'oov':>8}")
+    print(f"{'drafter':<14}{'vocab':<8}{'split':<10}{'rows':>6}{'acceptance':>12}{'n>=1':>7}{'n>=2':>7}{'n>=3':>7}"
+          f"{'loss':>9}{'oov':>8}")  # fmt: skip
     for spec in args.drafter:
         name, _, folder = spec.partition("=")
         training_args.drafter_name_or_path = folder
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             for split, rows in splits.items():
                 m = trainer.evaluate(eval_dataset=rows)
-                print(f"{name:<14}{vocab:<8}{split:<10}{len(rows):>6}{m['eval_acceptance']:>12.3f}"
+                shares = "".join(f"{m[f'eval_accepted_ge_{k}']:>7.3f}" for k in (1, 2, 3))
+                print(f"{name:<14}{vocab:<8}{split:<10}{len(rows):>6}{m['eval_acceptance']:>12.3f}{shares}"
                       f"{m['eval_loss']:>9.3f}{m.get('eval_out_of_vocab', 0.0):>8.3f}")  # fmt: skip
 
 

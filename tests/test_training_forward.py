@@ -389,3 +389,25 @@ def test_distillation_step_uses_the_target_distribution(models):
     assert soft > 0
     torch.testing.assert_close(distilled.loss, plain.loss + 2.0 * soft, atol=1e-4, rtol=1e-5)
     assert distilled.metrics["acceptance"] == plain.metrics["acceptance"]
+
+
+def test_acceptance_shares_add_up_to_the_mean(models):
+    """`accepted_ge_k` are the shares of blocks with at least k accepted drafts: with B = 4 (at most 3 drafts) they
+    sum exactly to `acceptance`, and fall with k."""
+    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+    from hf_retrace.trainer.losses import loss_decay_weights
+    from hf_retrace.trainer.objective import LossSettings, acceptance_metrics, dflash_training_step
+
+    accepted = torch.tensor([[0, 1, 3, 2], [3, 0, 0, 1]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, True]])
+    metrics = acceptance_metrics(accepted, valid)  # valid n: 0, 1, 3, 3, 0, 1 -> mean 8 / 6
+    assert metrics["acceptance"] == pytest.approx(8 / 6)
+    assert [metrics[f"accepted_ge_{k}"] for k in (1, 2, 3)] == pytest.approx([4 / 6, 2 / 6, 2 / 6])
+    target, drafter = models
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    mask, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
+    loss = LossSettings(TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None), loss_decay_weights(B, 1.0))
+    out = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=8, loss=loss,
+                               generator=torch.Generator().manual_seed(0)).metrics  # fmt: skip
+    shares = [out[f"accepted_ge_{k}"] for k in (1, 2, 3)]
+    assert sum(shares) == pytest.approx(out["acceptance"]) and shares == sorted(shares, reverse=True)

@@ -368,7 +368,7 @@ def dflash_training_step(
         teacher = slot_teacher_states(final, anchors, config.block_size)
     value, drafts, extra = block_loss(hidden, labels, loss, teacher)
     accepted = count_accepted(drafts[..., 1:], labels[..., 1:])
-    metrics = {"loss": value.item(), "acceptance": _masked_mean(accepted, valid), "blocks": float(valid.sum())}
+    metrics = {"loss": value.item(), **acceptance_metrics(accepted, valid), "blocks": float(valid.sum())}
     metrics["supervised_slots"] = float((labels != IGNORE_INDEX).sum())
     return TrainingStepOutput(loss=value, metrics=metrics | extra)
 
@@ -479,7 +479,7 @@ def retrace_training_step(
     retained = rounds.num_retained
     metrics = extra | {
         "loss": value.item(),
-        "acceptance": _masked_mean(count_accepted(drafts[..., 1:], rounds.labels[..., 1:]), rounds.block_valid),
+        **acceptance_metrics(count_accepted(drafts[..., 1:], rounds.labels[..., 1:]), rounds.block_valid),
         "round1_acceptance": _masked_mean(rounds.num_accepted, valid),
         "conditioned_share": _masked_mean(retained > 0, rounds.block_valid),
         "mean_retained": _masked_mean(retained, retained > 0),
@@ -497,6 +497,20 @@ def _is_real_position(positions: torch.LongTensor, attention_mask: torch.Tensor 
     return inside & real
 
 
+def acceptance_metrics(accepted: torch.LongTensor, valid: torch.BoolTensor, depths: int = 3) -> dict[str, float]:
+    """`acceptance`, the mean accepted drafts `n` per valid block, and `accepted_ge_k` for `k = 1..depths`, the share
+    of blocks with `n >= k` (slot `k`'s draft and all before it right). `acceptance = sum_k accepted_ge_k` over all
+    `k <= B - 1`, so the shares say which slots the mean comes from: a steep fall from `accepted_ge_1` to
+    `accepted_ge_2` means the later slots of a block are rarely reached.
+
+    Args:
+        accepted (`torch.LongTensor` of shape `(b, N)`): [`count_accepted`] per block; valid (`(b, N)`).
+    """
+    metrics = {"acceptance": _masked_mean(accepted, valid)}
+    metrics.update({f"accepted_ge_{k}": _masked_mean(accepted >= k, valid) for k in range(1, depths + 1)})
+    return metrics
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     mask = mask.bool()
     return float(values[mask].float().mean()) if mask.any() else 0.0
@@ -505,6 +519,7 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 __all__ = [
     "VERIFICATION_FEATURES",
     "LossSettings",
+    "acceptance_metrics",
     "block_loss",
     "SimulatedRounds",
     "TrainingStepOutput",

@@ -144,9 +144,10 @@ class ReTraceTrainer(Trainer):
         """Adds the step metrics (means since the last log, averaged over processes) to the Trainer's logs.
 
         `train_acceptance` is the mean number of accepted drafts `n` per trained block (greedy, against the labels;
-        `n + 1` tokens are committed per cycle), `round1_acceptance` the same for the simulated first round,
-        `conditioned_share` the share of round-2 blocks with a retained suffix (`L > 0`), `mean_retained` their
-        mean `L`, `gate_norm` the norm of the gate `g` and `beta` the correction coefficient.
+        `n + 1` tokens are committed per cycle), `accepted_ge_k` the share of blocks with `n >= k`,
+        `round1_acceptance` the same mean for the simulated first round, `conditioned_share` the share of round-2
+        blocks with a retained suffix (`L > 0`), `mean_retained` their mean `L`, `gate_norm` the norm of the gate `g`
+        and `beta` the correction coefficient.
         """
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         metrics = self._metrics[mode]
