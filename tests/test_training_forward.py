@@ -330,25 +330,29 @@ def test_block_labels_follow_the_greedy_chain():
     )
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_causal_lm(architecture: str):
+    """A seeded tiny Llama, or Granite, whose decoder multiplies `inputs_embeds` by `embedding_multiplier` inside its
+    forward (so features fed as `inputs_embeds` would be scaled too)."""
+    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=512, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    sizes = {
+        "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512, "pad_token_id": 0,
+    }  # fmt: skip
+    if architecture == "granite":
+        return GraniteForCausalLM(GraniteConfig(**sizes, embedding_multiplier=12.0)).eval()
+    return LlamaForCausalLM(LlamaConfig(**sizes)).eval()
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "granite"])
 @pytest.mark.parametrize("layer_ids", [[1], [2, 0], [0, 3]])
 def test_final_states_resume_after_the_deepest_feature_layer(architecture, layer_ids):
     """The distillation teacher: layers after the deepest cached one, fed its features, give the full forward's
     post-norm last state (right-padded rows included: padding never reaches a real position)."""
     from hf_retrace.trainer.target_features import final_hidden_states
 
-    target = build_tiny_target(seed=0) if architecture == "qwen3" else _tiny_llama()
+    target = build_tiny_target(seed=0) if architecture == "qwen3" else _tiny_causal_lm(architecture)
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0

@@ -88,9 +88,10 @@ def final_hidden_states(
 ) -> torch.Tensor:  # fmt: skip
     """The target's post-norm last hidden state (its lm head's input), resumed from cached features.
 
-    The deepest layer in `features` is fed to the layers after it as `inputs_embeds`, so only those layers run (2 of
-    30 for SmolLM2 read at layer 27): the decoder must pass `inputs_embeds` to its first layer unchanged, as Llama,
-    Mistral and Qwen2/3 do. The result equals a full forward up to the features' dtype (bf16 in a feature cache).
+    Only the layers after the deepest layer in `features` run (2 of 30 for SmolLM2 read at layer 27): the decoder is
+    called with its layer list cut to them, and a pre-hook hands the first of them the cached features in place of
+    the (embedded, possibly scaled) input, so the decoder's own RoPE, mask and final norm apply. The result equals a
+    full forward up to the features' dtype (bf16 in a feature cache).
 
     Args:
         input_ids (`torch.LongTensor` of shape `(batch, T)`), attention_mask (`(batch, T)`, *optional*): the sequence.
@@ -109,12 +110,20 @@ def final_hidden_states(
     decoder, layers = target.get_decoder(), _decoder_layers(target)
     if layers is None:
         raise ValueError(f"{type(decoder).__name__} has no `layers` list to resume after layer {deepest} from.")
+
+    def feed_features(module, args, kwargs):
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
     positions = token_positions(attention_mask, input_ids.shape).to(input_ids.device)
+    handle = layers[deepest + 1].register_forward_pre_hook(feed_features, with_kwargs=True)
     decoder.layers = layers[deepest + 1 :]  # the same modules; the full list is put back below
     try:
-        return decoder(inputs_embeds=hidden, attention_mask=attention_mask, position_ids=positions).last_hidden_state
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
     finally:
         decoder.layers = layers
+        handle.remove()
 
 
 def token_positions(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.LongTensor:
