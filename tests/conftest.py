@@ -33,6 +33,8 @@ ARCHITECTURES = {
         {"head_dim": 8, "sliding_window": 256, "query_pre_attn_scalar": 8},
     ),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+    # its forward scales `inputs_embeds` by `embedding_multiplier` (1.0 here; a feature-resumption test raises it)
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {"head_dim": 8}),
 }
 
 

@@ -11,11 +11,15 @@ from transformers import DynamicCache
 from transformers.cache_utils import DFlashCache
 
 from hf_retrace import ReTraceDrafterModel, build_rejected_trajectory
-from hf_retrace.trainer.losses import IGNORE_INDEX
-from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+from hf_retrace.trainer.draft_vocab import TrainingDraftHead
+from hf_retrace.trainer.losses import IGNORE_INDEX, loss_decay_weights
+from hf_retrace.trainer.target_features import compute_target_features, embed_tokens, final_hidden_states
 from hf_retrace.trainer.objective import (
+    LossSettings,
+    acceptance_metrics,
     align_rejected_trajectory,
     block_labels,
+    dflash_training_step,
     draft_blocks,
     faithful_verification_features,
     sample_anchor_positions,
@@ -23,6 +27,7 @@ from hf_retrace.trainer.objective import (
     teacher_forced_verification_features,
 )
 from hf_retrace.trainer.setup import build_tiny_target
+from conftest import make_target
 
 
 B = 4
@@ -284,10 +289,6 @@ def test_grouped_drafter_forwards_equal_one_forward(models):
 def test_cached_features_replace_the_target(models):
     """With cached features (and teacher-forced verification features) a step never calls the target's decoder,
     and gives the loss of the online step."""
-    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
-    from hf_retrace.trainer.losses import loss_decay_weights
-    from hf_retrace.trainer.objective import LossSettings, dflash_training_step
-
     target, drafter = models
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
@@ -330,29 +331,13 @@ def test_block_labels_follow_the_greedy_chain():
     )
 
 
-def _tiny_causal_lm(architecture: str):
-    """A seeded tiny Llama, or Granite, whose decoder multiplies `inputs_embeds` by `embedding_multiplier` inside its
-    forward (so features fed as `inputs_embeds` would be scaled too)."""
-    from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    sizes = {
-        "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512, "pad_token_id": 0,
-    }  # fmt: skip
-    if architecture == "granite":
-        return GraniteForCausalLM(GraniteConfig(**sizes, embedding_multiplier=12.0)).eval()
-    return LlamaForCausalLM(LlamaConfig(**sizes)).eval()
-
-
 @pytest.mark.parametrize("architecture", ["qwen3", "llama", "granite"])
 @pytest.mark.parametrize("layer_ids", [[1], [2, 0], [0, 3]])
 def test_final_states_resume_after_the_deepest_feature_layer(architecture, layer_ids):
     """The distillation teacher: layers after the deepest cached one, fed its features, give the full forward's
     post-norm last state (right-padded rows included: padding never reaches a real position)."""
-    from hf_retrace.trainer.target_features import final_hidden_states
-
-    target = build_tiny_target(seed=0) if architecture == "qwen3" else _tiny_causal_lm(architecture)
+    scaled = {"embedding_multiplier": 12.0} if architecture == "granite" else {}  # scales inputs_embeds in forward
+    target = make_target(architecture, restricted=False, **scaled)
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
@@ -373,10 +358,6 @@ def test_final_states_resume_after_the_deepest_feature_layer(architecture, layer
 def test_distillation_step_uses_the_target_distribution(models):
     """A step with `distillation_weight` adds the soft term to the same block loss (same anchors, same labels), and
     its teacher states come from cached features alone."""
-    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
-    from hf_retrace.trainer.losses import loss_decay_weights
-    from hf_retrace.trainer.objective import LossSettings, dflash_training_step
-
     target, drafter = models
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(6))
     mask, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
@@ -398,10 +379,6 @@ def test_distillation_step_uses_the_target_distribution(models):
 def test_acceptance_shares_add_up_to_the_mean(models):
     """`accepted_ge_k` are the shares of blocks with at least k accepted drafts: with B = 4 (at most 3 drafts) they
     sum exactly to `acceptance`, and fall with k."""
-    from hf_retrace.trainer.draft_vocab import TrainingDraftHead
-    from hf_retrace.trainer.losses import loss_decay_weights
-    from hf_retrace.trainer.objective import LossSettings, acceptance_metrics, dflash_training_step
-
     accepted = torch.tensor([[0, 1, 3, 2], [3, 0, 0, 1]])
     valid = torch.tensor([[True, True, True, False], [True, True, False, True]])
     metrics = acceptance_metrics(accepted, valid)  # valid n: 0, 1, 3, 3, 0, 1 -> mean 8 / 6
@@ -410,7 +387,8 @@ def test_acceptance_shares_add_up_to_the_mean(models):
     target, drafter = models
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(7))
     mask, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
-    loss = LossSettings(TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None), loss_decay_weights(B, 1.0))
+    head = TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None)
+    loss = LossSettings(head, loss_decay_weights(B, 1.0))
     out = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=8, loss=loss,
                                generator=torch.Generator().manual_seed(0)).metrics  # fmt: skip
     shares = [out[f"accepted_ge_{k}"] for k in (1, 2, 3)]

@@ -2,6 +2,8 @@
 """Pure functions: the DFlash block-diffusion loss that ReTrace trains with (paper App. D: "the same block-diffusion
 objective as DFlash", no auxiliary losses) and the greedy-acceptance bookkeeping of the simulated rounds."""
 
+from itertools import repeat
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -94,7 +96,7 @@ def slot_log_likelihoods(
         empty = hidden_states.new_zeros(0, dtype=torch.float32)
         return empty, labels.new_zeros(0), (None if teacher_states is None else empty)
     hidden_states = hidden_states.to(weight.dtype)
-    teachers = [None] * len(labels.split(chunk_rows)) if teacher_states is None else teacher_states.split(chunk_rows)
+    teachers = repeat(None) if teacher_states is None else teacher_states.split(chunk_rows)  # zip stops at the rows
     parts = [
         checkpoint(_chunk_scores, h, weight, y, t, use_reentrant=False)
         if torch.is_grad_enabled() and h.requires_grad
