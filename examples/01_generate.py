@@ -22,7 +22,7 @@ import torch
 import hf_retrace  # noqa: F401  (makes `assistant_model=drafter` pick ReTrace)
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
-from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
+from hf_retrace.skinny_gemm import enable_skinny_gemm_where_it_pays
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-dflash"
@@ -41,7 +41,8 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each; medians compared")
     parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
-                        help="few-row fp32 linears as a transposed GEMM, for the target and drafter alike")
+                        help="few-row fp32 linears as a transposed GEMM, for target and drafter alike (the "
+                        "default of hf-retrace bench too)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -53,8 +54,8 @@ def main():
     else:  # no trained drafter shipped yet: a fresh one (output is the target's either way, just slower)
         drafter, source = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=8).eval(), "fresh"
     if args.skinny_gemm:  # the same patched target serves both sides of the comparison
-        enable_skinny_gemm(target, tune_rows=DEFAULT_TUNE_ROWS)
-        enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
+        enable_skinny_gemm_where_it_pays(target, name="target")
+        enable_skinny_gemm_where_it_pays(drafter, name="drafter")
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     timed_generate(target, inputs, max_new_tokens=8)  # warmup

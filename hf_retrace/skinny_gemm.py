@@ -1,6 +1,12 @@
 """Skinny GEMMs: fp32 linears over a few rows on a CPU, computed transposed so the weight is streamed once.
 
-On a CPU, speculative decoding pays only if a forward over the few tokens of a verified block costs little more
+When it pays: fp32 weights on a CPU, and forwards over a few rows (1 to a few dozen tokens: decoding steps and the
+verification of a drafted block). That is where torch's stock kernel is slow and this one is not; the main command
+(`examples/01_generate.py`) and `hf-retrace bench` turn it on by default (`--no-skinny-gemm` turns it off) through
+[`enable_skinny_gemm_where_it_pays`], which leaves bf16/fp16 and GPU models alone with a logged note: there the
+stock kernels are the fast ones, and a long prefill takes the stock kernel here too.
+
+Why: on a CPU, speculative decoding pays only if a forward over the few tokens of a verified block costs little more
 than a forward over one token: both read every weight once, and a decoding step of a small model is bound by that
 read. torch's fp32 CPU BLAS (MKL) does not deliver this for `linear(x, W) = x @ W.T` with `x` of 2-16 rows: on the
 2-core AVX2 machine of this repo, SmolLM2-135M's linears take 1.5x as long for 2 rows and 1.7x for 4 rows as for
@@ -11,9 +17,11 @@ what 2 do, and both less than one row through MKL's matrix-vector product. One r
 
 `enable_skinny_gemm(model)` routes every `nn.Linear` of a model through `skinny_linear`, for inputs of at most
 `max_rows` rows in fp32 on a CPU; anything else (prefill of long prompts, bf16, CUDA, subclasses such as quantized
-linears) keeps `nn.Linear.forward`. The result equals `linear`'s up to fp32 summation order, like any change of
-BLAS kernel. Speedups are only meaningful when the target-only baseline runs with the same setting, which the
-bench and `examples/01_generate.py` do: both run the very same patched target.
+linears, linears whose `forward` something else already replaced, such as accelerate's hooks) keeps its forward.
+`disable_skinny_gemm(model)` undoes it exactly: the same modules with their class `forward` again, so the same outputs
+bit for bit. The result equals `linear`'s up to fp32 summation order, like any change of BLAS kernel. Speedups are
+only meaningful when the target-only baseline runs with the same setting, which the bench and
+`examples/01_generate.py` do: both run the very same patched target.
 
 The BLAS kernel behind the transposed product is itself uneven in the row count: on the repo's machine 3 rows cost
 more than 4, and 13-15 rows more than 16 (`python benchmarks/skinny_widths.py`). So `enable_skinny_gemm` times a
@@ -26,10 +34,14 @@ import time
 
 import torch
 from torch import nn
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 DEFAULT_MAX_ROWS = 64
-# what `hf-retrace bench --skinny-gemm` and `examples/01_generate.py` tune: every verification forward of the shipped
+# what `hf-retrace bench` and `examples/01_generate.py` tune: every verification forward of the shipped
 # setting (4 tokens) and the drafter's block of 16 with its few context rows
 DEFAULT_TUNE_ROWS = 24
 
@@ -81,12 +93,19 @@ def _skinny_forward(module: nn.Linear, max_rows: int, widths: list[int] | None, 
     return skinny_linear(x, module.weight, module.bias, max_rows, widths)
 
 
+def _is_routed(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _skinny_forward
+
+
 def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, tune_rows: int = 0) -> int:
     """Routes every plain `nn.Linear` of `model` through `skinny_linear` (an instance-level `forward`).
 
     Args:
         model: any module; its plain `nn.Linear`s are routed (exact type: quantized or LoRA subclasses have their own
-            forward).
+            forward). A linear whose `forward` was already replaced by something else (accelerate's device hooks)
+            is left alone, so [`disable_skinny_gemm`] can restore every routed one to its class `forward`. Calling it
+            again re-routes the already routed linears with the new settings.
         max_rows: most rows sent to the transposed GEMM.
         tune_rows: with `tune_rows > 0`, row counts up to it are padded to the widths [`tune_widths`] measures on
             the model's fp32 CPU weights (a few seconds for a 135M model at 24 rows); `0` pads one row to two only.
@@ -97,12 +116,42 @@ def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, tune_
         raise ValueError(f"max_rows must be a positive int (most rows sent to the transposed GEMM), got {max_rows!r}")
     if not isinstance(tune_rows, int) or not 0 <= tune_rows <= max_rows:
         raise ValueError(f"tune_rows must be an int in [0, max_rows={max_rows}] (0: no tuning), got {tune_rows!r}")
-    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    linears = [
+        module for module in model.modules()
+        if type(module) is nn.Linear and ("forward" not in module.__dict__ or _is_routed(module))
+    ]  # fmt: skip
     weights = [m.weight for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     widths = tune_widths(weights, tune_rows) if tune_rows and weights else None
     for module in linears:
         module.forward = functools.partial(_skinny_forward, module, max_rows, widths)
     return len(linears)
+
+
+def skinny_gemm_skip_reason(model: nn.Module) -> str | None:
+    """Why the skinny GEMM would not pay for `model` (`None`: it would): it speeds up fp32 linears on a CPU only."""
+    kinds = {(p.device.type, p.dtype) for p in model.parameters()}
+    others = sorted(f"{dtype} on {device}" for device, dtype in kinds if (device, dtype) != ("cpu", torch.float32))
+    if not kinds or others:
+        return f"it pays for fp32 on CPU only, and the model is {', '.join(others) or 'empty'}"
+    return None
+
+
+def enable_skinny_gemm_where_it_pays(model: nn.Module, tune_rows: int = DEFAULT_TUNE_ROWS, name: str = "model") -> int:
+    """[`enable_skinny_gemm`] for an fp32 CPU model; any other model (bf16, fp16, GPU) is left untouched and the
+    reason is logged: there the stock kernels are the fast ones. The default of the main command and the bench.
+
+    Args:
+        model: the target or a drafter.
+        tune_rows: as in [`enable_skinny_gemm`]; [`DEFAULT_TUNE_ROWS`] covers the shipped setting.
+        name: what the note calls the model (`"target"`, a method's name).
+    Returns:
+        How many linears were routed (0 when skipped).
+    """
+    reason = skinny_gemm_skip_reason(model)
+    if reason is not None:
+        logger.warning(f"skinny GEMM skipped for the {name}: {reason} (pass --no-skinny-gemm to silence this)")
+        return 0
+    return enable_skinny_gemm(model, tune_rows=tune_rows)
 
 
 @torch.no_grad()
@@ -150,11 +199,10 @@ def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2) ->
 
 
 def disable_skinny_gemm(model: nn.Module) -> int:
-    """Undoes `enable_skinny_gemm`: every linear uses `nn.Linear.forward` again. Returns how many were restored."""
-    count = 0
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _skinny_forward:
-            del module.forward
-            count += 1
-    return count
+    """Undoes [`enable_skinny_gemm`] exactly: each routed linear loses its instance-level `forward`, so it runs
+    `nn.Linear.forward` again and `model` is the model it was before (same modules, attributes and outputs, bit for
+    bit). Linears it did not route are untouched. Returns how many were restored."""
+    routed = [module for module in model.modules() if _is_routed(module)]
+    for module in routed:
+        del module.forward
+    return len(routed)

@@ -16,6 +16,7 @@ from hf_retrace.bench.methods import MethodSpec, parse_methods
 from hf_retrace.bench.run import parse_prompt_sets, torch_threads
 from hf_retrace.bench.report import first_difference
 from hf_retrace.bench.timing import ConditioningTimer
+import hf_retrace.skinny_gemm as skinny_gemm
 from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS
 
 
@@ -275,22 +276,35 @@ def test_sampling_mode_skips_the_lossless_check(assets):
 
 
 def test_skinny_gemm_runs_every_method_on_the_same_kernels(assets, monkeypatch, tmp_path):
-    """`--skinny-gemm` routes the target's and every drafter's linears (so `ar` runs them too), stays lossless, and
-    is recorded in the run info."""
+    """The skinny GEMM is on by default, as in `examples/01_generate.py`: it routes the target's and every drafter's
+    linears (so `ar` runs them too), stays lossless, and is recorded in the run info; `--no-skinny-gemm` routes
+    none."""
     routed = []
 
     def enable(model, tune_rows):
         routed.append((type(model).__name__, tune_rows))
-        return bench_enable(model, tune_rows=tune_rows)
+        return real_enable(model, tune_rows=tune_rows)
 
-    bench_enable = bench.enable_skinny_gemm
-    monkeypatch.setattr(bench, "enable_skinny_gemm", enable)
+    real_enable = skinny_gemm.enable_skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "enable_skinny_gemm", enable)  # the target's, via ..._where_it_pays
+    monkeypatch.setattr(bench, "enable_skinny_gemm", enable)  # the drafters'
     argv = ["--target", str(assets / "target"), "--methods", f"ar,dflash={assets / 'drafter'}", "--prompt-sets",
-            f"{assets / 'ids.jsonl'}:2", "--max-new-tokens", "12", "--output-dir", str(tmp_path), "--no-progress",
-            "--skinny-gemm"]  # fmt: skip
+            f"{assets / 'ids.jsonl'}:2", "--max-new-tokens", "12", "--output-dir", str(tmp_path),
+            "--no-progress"]  # fmt: skip
     assert bench.main(argv) == 0
     payload = json.loads((tmp_path / "results.json").read_text())
     assert routed == [("Qwen3ForCausalLM", DEFAULT_TUNE_ROWS), ("ReTraceDrafterModel", DEFAULT_TUNE_ROWS)]
     assert payload["run"]["skinny_gemm"] is True and payload["run"]["skinny_gemm_tune_rows"] == DEFAULT_TUNE_ROWS
     assert all(row["lossless"] for row in payload["results"])
     assert "skinny GEMM linears" in (tmp_path / "results.md").read_text()
+
+    routed.clear()
+    assert bench.main([*argv, "--no-skinny-gemm"]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert routed == [] and payload["run"]["skinny_gemm"] is False and payload["run"]["skinny_gemm_tune_rows"] == 0
+    assert "stock linears" in (tmp_path / "results.md").read_text()
+
+
+def test_skinny_gemm_default_matches_the_main_command():
+    assert bench.make_parser().parse_args([]).skinny_gemm is True
+    assert bench.make_parser().parse_args(["--no-skinny-gemm"]).skinny_gemm is False

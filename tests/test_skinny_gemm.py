@@ -1,13 +1,22 @@
 """`hf_retrace.skinny_gemm`: few-row fp32 linears as a transposed GEMM give linear's result, and keep greedy
 speculative decoding lossless when the target and drafter both use them."""
 
+import functools
+import logging
+
 import pytest
 import torch
 from torch import nn
 
 import hf_retrace.skinny_gemm as skinny_gemm
 from conftest import make_drafter, make_target, random_prompt
-from hf_retrace.skinny_gemm import disable_skinny_gemm, enable_skinny_gemm, skinny_linear
+from hf_retrace.skinny_gemm import (
+    disable_skinny_gemm,
+    enable_skinny_gemm,
+    enable_skinny_gemm_where_it_pays,
+    skinny_gemm_skip_reason,
+    skinny_linear,
+)
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 24), (1, 5, 24), (2, 32, 24)])
@@ -49,6 +58,52 @@ def test_enable_routes_plain_linears_and_disable_restores_them(monkeypatch):
     assert disable_skinny_gemm(target) == plain
     assert disable_skinny_gemm(target) == 0
     assert isinstance(target.lm_head(torch.randn(1, 2, 32)), torch.Tensor) and len(calls) == 1
+
+
+def _linear_state(model: nn.Module) -> list:
+    """Every module's name, type and instance attributes (`forward` there if something set one)."""
+    return [(name, type(m), sorted(m.__dict__), m.__dict__.get("forward")) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("tune_rows", [0, 4])
+def test_disable_restores_the_model_exactly(tune_rows):
+    """`disable_skinny_gemm` is `enable_skinny_gemm`'s inverse: the same modules, attributes and forwards, and the
+    same logits bit for bit."""
+    target = make_target("llama")
+    prompt = random_prompt(3, seed=0)
+    with torch.no_grad():
+        before_logits = target(prompt).logits
+    before_state, before_weights = _linear_state(target), {k: v.clone() for k, v in target.state_dict().items()}
+    assert enable_skinny_gemm(target, max_rows=8, tune_rows=tune_rows) > 0
+    assert _linear_state(target) != before_state
+    assert disable_skinny_gemm(target) > 0
+    assert _linear_state(target) == before_state
+    assert all(m.forward.__func__ is nn.Linear.forward for m in target.modules() if type(m) is nn.Linear)
+    with torch.no_grad():
+        assert torch.equal(target(prompt).logits, before_logits)
+    assert all(torch.equal(v, before_weights[k]) for k, v in target.state_dict().items())
+
+
+def test_a_forward_set_by_someone_else_is_kept():
+    """A linear whose `forward` something else replaced (accelerate's device hooks do) is not routed, so disabling
+    leaves that forward in place instead of deleting it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    hooked = model[1].forward = functools.partial(nn.Linear.forward, model[1])
+    assert enable_skinny_gemm(model) == 1 and enable_skinny_gemm(model) == 1  # re-enabling re-routes its own
+    assert model[1].forward is hooked and disable_skinny_gemm(model) == 1
+    assert "forward" not in model[0].__dict__ and model[1].forward is hooked
+
+
+def test_where_it_pays_skips_bf16_and_notes_why(caplog):
+    fp32, bf16 = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="hf_retrace.skinny_gemm"):
+        assert enable_skinny_gemm_where_it_pays(bf16, tune_rows=0, name="target") == 0
+    assert "forward" not in bf16[0].__dict__
+    assert "skinny GEMM skipped for the target" in caplog.text and "torch.bfloat16 on cpu" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_retrace.skinny_gemm"):
+        assert enable_skinny_gemm_where_it_pays(fp32, tune_rows=0) == 1
+    assert caplog.text == "" and skinny_gemm_skip_reason(fp32) is None
 
 
 def test_subclassed_linears_are_left_alone():
@@ -93,11 +148,27 @@ def test_tuned_widths_pick_the_cheapest_width_at_or_above(monkeypatch):
     assert skinny_gemm.tune_widths([], 3) == [0, 2, 2, 3]
 
 
-def test_width_costs_time_every_width():
-    cost = skinny_gemm.width_costs([torch.randn(64, 24), torch.randn(24, 64)], 5, repeats=1)
-    assert len(cost) == 6 and cost[0] == 0.0 and all(c > 0 for c in cost[1:])
+def test_width_costs_time_every_width_and_keep_the_best_repeat(monkeypatch):
+    """A fake clock that a product advances by its size (`width * out * in`), plus 1000 on each width's first
+    repeat (a cold cache): the cost of width `w` is exactly one pass over all weights at `w`, the best repeat."""
+    clock, seen, mm = [0.0], [], torch.mm
+
+    def timed_mm(a, b):
+        seen.append((tuple(a.shape), tuple(b.shape)))
+        clock[0] += b.shape[1] * a.numel() + (1000 if len(seen) % 4 == 1 else 0)  # 2 weights x 2 repeats a width
+        return mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", timed_mm)
+    monkeypatch.setattr(skinny_gemm.time, "perf_counter", lambda: clock[0])
+    weights = [torch.randn(64, 24), torch.randn(24, 64)]
+    cost = skinny_gemm.width_costs(weights, 5, repeats=2)
+    assert cost == [0.0] + [float(w * (64 * 24 + 24 * 64)) for w in range(1, 6)]
+    assert seen[:4] == [((64, 24), (24, 1)), ((24, 64), (64, 1))] * 2 and seen[-1] == ((24, 64), (64, 5))
+
+
+def test_tune_widths_on_real_weights_gives_valid_widths():
     widths = skinny_gemm.tune_widths([torch.randn(64, 24)], 5, repeats=1)
-    assert widths[0] == 0 and all(r <= w <= 5 for r, w in enumerate(widths))
+    assert len(widths) == 6 and widths[0] == 0 and all(r <= w <= 5 for r, w in enumerate(widths) if r)
 
 
 def test_enable_with_tuning_hands_the_widths_to_every_linear(monkeypatch):

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..data.prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
-from ..skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
+from ..skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm, enable_skinny_gemm_where_it_pays
 from .methods import Generation, Method, parse_methods
 from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
 from .stats import paired_tau_table
@@ -155,9 +155,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (1 avoids oversubscription)")
     parser.add_argument(
-        "--skinny-gemm", action="store_true",
+        "--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
         help="few-row fp32 CPU linears as a transposed GEMM (hf_retrace.skinny_gemm), in the target and every drafter,"
-             " so every method, `ar` included, runs the same kernels; row counts up to 24 padded to tuned widths",
+             " so every method, `ar` included, runs the same kernels; row counts up to 24 padded to tuned widths."
+             " On by default, as in examples/01_generate.py; skipped with a note for bf16 or a GPU, where it does not"
+             " pay",
     )  # fmt: skip
     parser.add_argument(
         "--baseline", default=None,
@@ -196,9 +198,12 @@ def _run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, dtype, args.device)
     specs = parse_methods(args.methods)
     methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
-    if args.skinny_gemm:
-        for model in [target] + [m.drafter for m in methods if m.drafter is not None]:
-            enable_skinny_gemm(model, tune_rows=DEFAULT_TUNE_ROWS)
+    # the same kernels for every method, `ar` included, or none, so speedups compare like with like; the drafters
+    # have the target's dtype and device, so the target decides (a bf16 or GPU run logs why it is skipped)
+    skinny_gemm = args.skinny_gemm and enable_skinny_gemm_where_it_pays(target, DEFAULT_TUNE_ROWS, "target") > 0
+    for method in methods if skinny_gemm else []:
+        if method.drafter is not None:
+            enable_skinny_gemm(method.drafter, tune_rows=DEFAULT_TUNE_ROWS)
     prompt_sets = [(prompt_set_label(name), encode_prompt_set(name, count, tokenizer, args.prompt_seed))
                    for name, count in parse_prompt_sets(args.prompt_sets)]  # fmt: skip
     generate_kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -218,8 +223,8 @@ def _run(args: argparse.Namespace) -> int:
         "decoding": f"sampling (temperature={args.temperature}, seed={args.seed})" if args.do_sample else "greedy",
         "max_new_tokens": args.max_new_tokens,
         "draft_logits_dtype": args.draft_logits_dtype,
-        "skinny_gemm": args.skinny_gemm,
-        "skinny_gemm_tune_rows": DEFAULT_TUNE_ROWS if args.skinny_gemm else 0,
+        "skinny_gemm": skinny_gemm,
+        "skinny_gemm_tune_rows": DEFAULT_TUNE_ROWS if skinny_gemm else 0,
         "methods": [asdict(m.spec) for m in methods],
         "prompt_sets": args.prompt_sets,
         "prompt_seed": args.prompt_seed,
