@@ -19,7 +19,7 @@ from datasets import load_from_disk
 
 from hf_retrace.data.responses import DataCollatorForReTrace, tokenize_conversations
 from hf_retrace.models.modeling_retrace import ReTraceDrafterModel, apply_rotary_pos_emb
-from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+from hf_retrace.data.target_features import compute_target_features, embed_tokens
 from hf_retrace.trainer.objective import block_labels, draft_blocks, sample_anchor_positions, token_positions
 from hf_retrace.trainer.setup import load_target
 

@@ -20,7 +20,7 @@ from conftest import ROOT
 from hf_retrace.trainer import trainer as trainer_module
 from hf_retrace.trainer.frozen_target import _place_unsharded, gathered_parameters, prepare_frozen_target
 from hf_retrace.trainer.setup import build_tiny_target, synthetic_dataset
-from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+from hf_retrace.data.target_features import compute_target_features, embed_tokens
 from hf_retrace.trainer.trainer import ReTraceTrainer, _draft_head
 from test_trainer import collate, fresh_drafter, make_args
 
@@ -242,7 +242,7 @@ FSDP_RANKS = textwrap.dedent(
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from hf_retrace.trainer.frozen_target import prepare_frozen_target
         from hf_retrace.trainer.setup import build_tiny_target
-        from hf_retrace.trainer.target_features import compute_target_features, embed_tokens
+        from hf_retrace.data.target_features import compute_target_features, embed_tokens
         from hf_retrace.trainer.trainer import _draft_head
 
         reference = build_tiny_target(seed=0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_retrace.data import IGNORE_INDEX
 from hf_retrace.trainer.losses import (
-    IGNORE_INDEX,
     block_cross_entropy,
     count_accepted,
     default_loss_decay_gamma,

@@ -12,8 +12,9 @@ from transformers.cache_utils import DFlashCache
 
 from hf_retrace import ReTraceDrafterModel, build_rejected_trajectory
 from hf_retrace.trainer.draft_vocab import TrainingDraftHead
-from hf_retrace.trainer.losses import IGNORE_INDEX, loss_decay_weights
-from hf_retrace.trainer.target_features import compute_target_features, embed_tokens, final_hidden_states
+from hf_retrace.data import IGNORE_INDEX
+from hf_retrace.trainer.losses import loss_decay_weights
+from hf_retrace.data.target_features import compute_target_features, embed_tokens, final_hidden_states
 from hf_retrace.trainer.objective import (
     LossSettings,
     acceptance_metrics,

@@ -27,9 +27,9 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from datasets.table import InMemoryTable
 from transformers.utils import logging
 
+from . import IGNORE_INDEX
 from .continuous_generation import ContinuousBatchGenerator, GeneratedRow, PromptItem
-from ..trainer.losses import IGNORE_INDEX
-from ..trainer.target_features import compute_target_features
+from .target_features import compute_target_features
 
 
 logger = logging.get_logger(__name__)

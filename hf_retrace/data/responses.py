@@ -16,6 +16,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
+from . import IGNORE_INDEX
+
 
 logger = logging.get_logger(__name__)
 
@@ -373,7 +375,7 @@ class DataCollatorWithFeatures:
             features[row, :n] = bits.view(torch.bfloat16)[:, self._columns]  # stored as the bf16 bit pattern
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "features": features}
         if all("target_ids" in e for e in examples):
-            batch["target_ids"] = torch.full_like(input_ids, -100)
+            batch["target_ids"] = torch.full_like(input_ids, IGNORE_INDEX)
             for row, (example, n) in enumerate(zip(examples, lengths)):
                 batch["target_ids"][row, :n] = torch.as_tensor(example["target_ids"][:n], dtype=torch.long)
         return batch

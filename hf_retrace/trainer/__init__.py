@@ -2,9 +2,9 @@
 
 Modules: `config` (ReTraceConfig), `trainer` (ReTraceTrainer), `setup` (target, drafter and synthetic data for the
 entry points), `objective` (the DFlash block objective and the two-round ReTrace simulation), `masks`, `losses`,
-`target_features`, `draft_vocab` (the reduced draft vocabulary), `drafter_init` (warm start from the target),
+`draft_vocab` (the reduced draft vocabulary), `drafter_init` (warm start from the target),
 `frozen_target` (the target sharded under FSDP / ZeRO-3, placed on the device otherwise).
-`masks`, `losses` and `target_features` need torch only; the trainer needs the `train` extra (trl, datasets, peft),
+`masks` and `losses` need torch only; the trainer needs the `train` extra (trl, datasets, peft),
 so it is imported on first use.
 """
 

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..data import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+
 LOSS_TYPES = ("ce", "eal")
 
 
@@ -142,7 +143,6 @@ def count_accepted(draft_ids: torch.LongTensor, labels: torch.LongTensor) -> tor
 
 
 __all__ = [
-    "IGNORE_INDEX",
     "LOSS_TYPES",
     "expected_accepted_length",
     "slot_log_likelihoods",

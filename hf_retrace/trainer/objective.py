@@ -20,12 +20,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..data import IGNORE_INDEX
+from ..data.target_features import compute_target_features, embed_tokens, final_hidden_states, token_positions
 from ..models.configuration_retrace import ReTraceDrafterConfig
 from ..models.generation_retrace import ReTraceConditioning
 from .draft_vocab import TrainingDraftHead
-from .losses import IGNORE_INDEX, count_accepted, expected_accepted_length, slot_log_likelihoods
+from .losses import count_accepted, expected_accepted_length, slot_log_likelihoods
 from .masks import build_block_mask, build_verification_mask, to_additive_mask
-from .target_features import compute_target_features, embed_tokens, final_hidden_states, token_positions
 
 
 VERIFICATION_FEATURES = ("faithful", "teacher_forced")

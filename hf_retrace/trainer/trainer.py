@@ -11,13 +11,14 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging
 
+from ..data import IGNORE_INDEX
 from ..models.generation_retrace import validate_drafter_for_target
 from ..models.modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
 from .callbacks import BetaWarmupCallback
 from .config import ReTraceConfig
 from .draft_vocab import TrainingDraftHead
 from .frozen_target import gathered_parameters, prepare_frozen_target
-from .losses import IGNORE_INDEX, loss_decay_weights
+from .losses import loss_decay_weights
 from .objective import LossSettings, dflash_training_step, retrace_training_step
 
 
