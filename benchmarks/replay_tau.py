@@ -16,7 +16,7 @@ START:END` replays rows of the token pool instead (the target's greedy responses
 order): rows newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to
 generate.
 
-Usage (the bench prompts of sessions 5-7; ~1 min per drafter on 2 threads once the continuations exist):
+Usage (the bench's 24 held-out prompts; ~1 min per drafter on 2 threads once the continuations exist):
 
 ```bash
 python benchmarks/replay_tau.py --drafter shipped=model_cards/smollm2-135m-dflash \

@@ -8,8 +8,8 @@ in its own process. A run spec is `LABEL:REF:RECIPE[:OVERRIDES]`: `REF` is `.` f
 revision, checked out in a temporary `git worktree` and imported from there (so the old commit's own trainer is
 timed); OVERRIDES are `key=value` pairs joined by `,`. Runs are interleaved over `--rounds` (the machine is noisy).
 
-Usage (the comparison of the drafter issue: the old SmolLM2 recipe at the last commit before it, against the
-cached-feature recipe):
+Usage (the comparison in results/drafter/README.md: the old SmolLM2 recipe at the last commit before the feature cache,
+against the cached-feature recipe):
 
 ```bash
 python benchmarks/train_throughput.py \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M experiment of issue 4 (2 CPU cores; hours). Every step resumes where it stopped.
+# ReTrace against its control on SmolLM2-135M (2 CPU cores; hours; results/retrace.md). Every step resumes where it stopped.
 #   experiments/smollm2.sh [data|dflash|data_extra|phase2|overwrite|bench|bench_greedy|bench_sampling_and_analyze|ship|fixes]...
-# Default (the reported run, session 3): data_extra phase2 bench ship.
-# - Phase 1 (`data dflash`, session 2): a DFlash drafter (warm-started from the target's top layers,
+# Default (the reported run of 2026-11-30, commit 1a3802b): data_extra phase2 bench ship.
+# - Phase 1 (`data dflash`, commit 8f1af98): a DFlash drafter (warm-started from the target's top layers,
 #   anchor_broadcast, loss_decay_gamma 2), 450 steps on a 640-response pool; shipped as
 #   model_cards/smollm2-135m-dflash, which is where phase 2 starts (PHASE1=...; `PHASE1=$RUNS/dflash` after `dflash`).
 # - Phase 2: every arm from that drafter on the same EXTRA pool (640 fresh target responses to prompts disjoint from
@@ -11,7 +11,7 @@
 #   (`retrace_modules_only`: isolates what the conditioning adds to the very drafter it started from).
 # - Bench: every drafter in one interleaved run on held-out prompts, with tau ratios to the control and paired
 #   bootstrap intervals over prompts; drafts scored with a bf16 copy of the lm head (verification stays fp32).
-# Session 1's and session 2's results are kept under results/session1/ and results/session2/.
+# The two earlier runs are kept under results/retrace-150-step-drafter/ and results/retrace-450-step-drafter/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
@@ -89,8 +89,9 @@ bench_sampling_and_analyze() {
     --max-new-tokens 64 --num-threads 1 --output-dir results/smollm2-analyze
 }
 
-fixes() {  # optional (not in the default run): session 1's attempted fix, ReTrace with teacher-forced verification
-  # features (same data/steps), benched vs the arms; its session-1 result is in results/session1/smollm2-fixes/
+fixes() {  # optional (not in the default run): the attempted fix of commit db01d2c, ReTrace with teacher-forced
+  # verification features (same data/steps), benched vs the arms; its result is in
+  # results/retrace-150-step-drafter/smollm2-fixes/
   phase2_arm retrace-tf --training_mode retrace --retrace_mode corrected --verification_features teacher_forced
   $PY -m hf_retrace.bench.run --target default --dtype fp32 --num-threads 2 --max-new-tokens 64 \
     --prompt-sets gsm_symbolic:5,humaneval:5 \

@@ -60,7 +60,7 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
     `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset), then warm-started from the target if
     `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size` when set:
     B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned at B = 8;
-    it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13 (session 5 bench).
+    it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13 (results/verification.md).
     `args.drafter_grow_layers` then deepens a loaded drafter without changing its outputs ([`grow_drafter_depth`]),
     and `args.drafter_target_layer_ids`, a superset of its layers, makes it read more target layers
     ([`add_target_layers`]).
