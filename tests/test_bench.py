@@ -81,8 +81,8 @@ def bench_run(assets):
 
 def test_draft_logits_dtype_override(assets):
     folder = str(assets / "drafter")
-    assert methods.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").config.draft_logits_dtype == "bfloat16"
-    assert methods.load_drafter(folder, None, torch.float32, "cpu", "target").config.draft_logits_dtype is None
+    assert methods.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").generation_config.draft_logits_dtype == "bfloat16"
+    assert methods.load_drafter(folder, None, torch.float32, "cpu", "target").generation_config.draft_logits_dtype is None
 
 
 def test_parse_methods():
@@ -161,10 +161,9 @@ def test_paired_tau_against_baseline(bench_run):
 def test_unknown_baseline_fails_before_running(assets, capsys):
     argv = ["--target", str(assets / "target"), "--methods", _methods(assets), "--baseline", "nope",
             "--prompt-sets", f"{assets / 'ids.jsonl'}:1", "--output-dir", str(assets / "never")]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2  # argparse's usage error, no traceback
-    assert "--baseline 'nope' is not one of --methods" in capsys.readouterr().err
+    assert bench.main(argv) == 2  # a usage error: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("hf-retrace bench: error: --baseline 'nope' is not one of --methods") and err.count("\n") == 1
     assert not (assets / "never").exists()
 
 

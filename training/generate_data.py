@@ -14,4 +14,4 @@ __all__ = ["cli_main", "main", "make_parser"]
 
 
 if __name__ == "__main__":
-    cli_main()
+    raise SystemExit(cli_main())

@@ -49,4 +49,4 @@ __all__ = ["ReTraceScriptArguments", "cli_main", "main", "make_parser"]  # what 
 
 
 if __name__ == "__main__":
-    cli_main()
+    raise SystemExit(cli_main())

@@ -49,7 +49,8 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..data.prompts import EVAL_SEED_OFFSET, SPLIT_SETS, load_prompts
+from ..cli import UsageError, check_exists, exits_on_usage_error
+from ..data.prompts import EVAL_SEED_OFFSET, PROMPT_SETS, SPLIT_SETS, load_prompts
 from ..skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm, enable_skinny_gemm_where_it_pays
 from .methods import Generation, Method, parse_methods
 from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
@@ -183,21 +184,50 @@ def torch_threads(num_threads: int | None):
         torch.set_num_threads(previous)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Raises [`UsageError`] for what would otherwise fail after the target loaded: an unparsable `--methods`, a
+    missing drafter folder, target or prompt file, an unknown prompt set or `--baseline`."""
+    try:
+        specs = parse_methods(args.methods)
+    except ValueError as error:
+        raise UsageError(f"--methods: {error}") from error
+    if args.target != "default":
+        check_exists(args.target, "--target", "model folder")
+    for spec in specs:
+        if spec.kind == "drafter":
+            check_exists(spec.folder, f"--methods {spec.name}=", "drafter folder")
+    for name, _ in parse_prompt_sets(args.prompt_sets):
+        if name.endswith(".jsonl"):
+            check_exists(name, "--prompt-sets", "prompt file", repo_id_ok=False)
+        elif name not in PROMPT_SETS:
+            raise UsageError(f"--prompt-sets: unknown set {name!r}; use NAME[:COUNT] with NAME one of {PROMPT_SETS} "
+                             "or a .jsonl file")  # fmt: skip
+    names = [spec.name for spec in specs]
+    if args.baseline is not None and args.baseline not in names:
+        raise UsageError(f"--baseline {args.baseline!r} is not one of --methods: {names}")
+
+
+@exits_on_usage_error("hf-retrace bench")
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    names = [spec.name for spec in parse_methods(args.methods)]
-    if args.baseline is not None and args.baseline not in names:  # an argparse error (exit 2), before the long run
-        parser.error(f"--baseline {args.baseline!r} is not one of --methods: {names}")
+    """`hf-retrace bench ...` (module docstring). Bad arguments fail in [`check_args`], before the long run."""
+    args = make_parser().parse_args(argv)
+    check_args(args)
     with torch_threads(args.num_threads):
         return _run(args)
+
+
+def _load_method(spec, dtype: torch.dtype, device, draft_logits_dtype: str | None) -> Method:
+    try:
+        return Method(spec, dtype, device, draft_logits_dtype)
+    except OSError as error:  # a Hub repo id that does not exist (or is not cached offline), a folder without weights
+        raise UsageError(f"--methods {spec.name}={spec.folder}: {error}") from error
 
 
 def _run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_target(args.target, dtype, args.device)
     specs = parse_methods(args.methods)
-    methods = [Method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
+    methods = [_load_method(spec, dtype, target.device, args.draft_logits_dtype) for spec in specs]
     # the same kernels for every method, `ar` included, or none, so speedups compare like with like; the drafters
     # have the target's dtype and device, so the target decides (a bf16 or GPU run logs why it is skipped)
     skinny_gemm = args.skinny_gemm and enable_skinny_gemm_where_it_pays(target, DEFAULT_TUNE_ROWS, "target") > 0

@@ -22,7 +22,8 @@ import torch
 from ..data.pool import build_pool, cache_pool_features, cache_target_ids, pool_prompt_stream
 from ..data.prompts import SPLIT_SETS
 from ..data.responses import _prompt_ids
-from .generate_data import load_target, parse_mix, select_prompts
+from ..cli import UsageError, check_exists, exits_on_usage_error
+from .generate_data import check_args, load_target, parse_mix, select_prompts
 
 
 DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
@@ -96,13 +97,29 @@ def _generate(args: argparse.Namespace, target, tokenizer, layer_ids: list[int])
     logging.getLogger("build_pool").warning(f"done: {total} response tokens in {args.pool_dir}")
 
 
+def check_pool_args(args: argparse.Namespace) -> None:
+    """[`UsageError`] for a bad `--mix` or `--target` (as `generate-data` checks them), `--layer-ids` that are not
+    comma-separated ints, or `--features-only` on a pool folder that does not exist."""
+    if not args.features_only:
+        check_args(args.mix, args.seed, args.target)
+    elif args.target != "default":
+        check_exists(args.target, "--target", "model folder")
+    if not all(part.strip().isdigit() for part in args.layer_ids.split(",")):
+        raise UsageError(f"--layer-ids must be comma-separated target layers such as 1,14,27, got {args.layer_ids!r}")
+    if args.features_only:
+        check_exists(args.pool_dir, "--pool-dir", "pool folder", repo_id_ok=False)
+
+
+@exits_on_usage_error("hf-retrace build-pool")
 def cli_main(argv: list[str] | None = None) -> int:
     """`hf-retrace build-pool [--pool-dir ...] [--feature-dir ...] [--features-only]` (also what
     `training/build_pool.py` runs)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    main(make_parser(prog="hf-retrace build-pool").parse_args(argv))
+    args = make_parser(prog="hf-retrace build-pool").parse_args(argv)
+    check_pool_args(args)
+    main(args)
     return 0
 
 
 if __name__ == "__main__":
-    cli_main()
+    raise SystemExit(cli_main())

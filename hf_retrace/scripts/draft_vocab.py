@@ -16,6 +16,8 @@ import argparse
 
 from datasets import concatenate_datasets
 
+from ..cli import UsageError, check_exists, exits_on_usage_error
+
 
 def parse_pool(spec: str) -> tuple[str, int | None]:
     """`"DIR"` or `"DIR:END"` -> (DIR, END or None)."""
@@ -52,6 +54,16 @@ def main(args: argparse.Namespace) -> None:
     )
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """[`UsageError`] for a missing drafter or pool folder, or a size below 1."""
+    check_exists(args.drafter, "--drafter", "drafter folder")
+    for spec in args.pool:
+        check_exists(parse_pool(spec)[0], "--pool", "pool folder", repo_id_ok=False)
+    if args.size < 1:
+        raise UsageError(f"--size is the number of draft vocabulary tokens and must be >= 1, got {args.size}")
+
+
+@exits_on_usage_error("hf-retrace draft-vocab")
 def cli_main(argv: list[str] | None = None) -> int:
     """`hf-retrace draft-vocab --drafter DIR --pool DIR[:END] [--pool ...] --size K --output DIR`."""
     parser = argparse.ArgumentParser(prog="hf-retrace draft-vocab", description=__doc__.split("\n\n")[0])
@@ -59,5 +71,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", action="append", required=True, help="DIR[:END], repeatable: token pools to rank on")
     parser.add_argument("--size", type=int, required=True, help="K, the draft vocabulary size")
     parser.add_argument("--output", required=True, help="where to save the drafter with its new vocabulary")
-    main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    check_args(args)
+    main(args)
     return 0

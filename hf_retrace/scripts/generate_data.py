@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from datasets import Dataset, concatenate_datasets
 
+from ..cli import UsageError, check_exists, exits_on_usage_error
+from ..data.prompts import EVAL_SEED_OFFSET, PROMPT_SETS, load_prompts
 from ..data.responses import _prompt_ids, generate_responses
-from ..data.prompts import EVAL_SEED_OFFSET, load_prompts
 
 
 logger = logging.getLogger("generate_data")
@@ -73,6 +74,28 @@ def parse_mix(mix: str) -> list[tuple[str, int]]:
         if not name or not count.isdigit():
             raise ValueError(f"--mix items must look like name:num_prompts, got {item!r}")
         sources.append((name, int(count)))
+    return sources
+
+
+def check_args(mix: str, seed: int, target: str) -> list[tuple[str, int]]:
+    """The parsed `--mix`, or a [`UsageError`] for a malformed item, an unknown prompt set or missing `.jsonl`, a
+    reasoning-gym set whose training seeds would reach the evaluation range, or a missing `--target` folder."""
+    try:
+        sources = parse_mix(mix)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    for name, count in sources:
+        if name.endswith(".jsonl"):
+            check_exists(name, "--mix", "prompt file", repo_id_ok=False)
+        elif name not in PROMPT_SETS:
+            raise UsageError(f"--mix: unknown prompt set {name!r}; use one of {PROMPT_SETS} or a .jsonl file")
+        elif name in ("gsm_symbolic", "codeio") and seed + count > EVAL_SEED_OFFSET:
+            raise UsageError(
+                f"--mix {name}:{count} with --seed {seed} reaches the evaluation seeds (>= {EVAL_SEED_OFFSET}); "
+                f"ask for at most {EVAL_SEED_OFFSET - seed} prompts or lower --seed"
+            )
+    if target != "default":
+        check_exists(target, "--target", "model folder")
     return sources
 
 
@@ -152,13 +175,16 @@ def main(args: argparse.Namespace) -> None:
     logger.info(f"done: {output / 'dataset'}")
 
 
+@exits_on_usage_error("hf-retrace generate-data")
 def cli_main(argv: list[str] | None = None) -> int:
     """`hf-retrace generate-data [--target ...] [--mix ...] [--output ...]` (also what `training/generate_data.py`
     runs)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    main(make_parser(prog="hf-retrace generate-data").parse_args(argv))
+    args = make_parser(prog="hf-retrace generate-data").parse_args(argv)
+    check_args(args.mix, args.seed, args.target)
+    main(args)
     return 0
 
 
 if __name__ == "__main__":
-    cli_main()
+    raise SystemExit(cli_main())

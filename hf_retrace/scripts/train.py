@@ -8,10 +8,12 @@ trains and saves. Usage and recipes: `training/train.py`.
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..cli import UsageError, check_exists, exits_on_usage_error
 from ..trainer.config import ReTraceConfig
 from ..trainer.setup import init_drafter, load_target, synthetic_dataset
 from ..trainer.trainer import ReTraceTrainer
@@ -223,12 +225,28 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return TrlParser(dataclass_types, prog=prog)
 
 
+def check_paths(script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig) -> None:
+    """Raises [`UsageError`] for a local target, drafter or dataset path that does not exist, before anything loads
+    (a bare `owner/name` may be a Hub repo and is left to the loaders)."""
+    check_exists(training_args.target_model_name_or_path, "target_model_name_or_path", "model folder")
+    check_exists(training_args.drafter_name_or_path, "drafter_name_or_path", "drafter folder")
+    check_exists(model_args.model_name_or_path, "model_name_or_path", "drafter folder")
+    if script_args.dataset_name != SYNTHETIC:
+        check_exists(script_args.dataset_name, "dataset_name", "dataset file or folder")
+
+
+@exits_on_usage_error("hf-retrace train")
 def cli_main(argv: list[str] | None = None) -> int:
-    """`hf-retrace train --config RECIPE [--field value ...]` (also what `training/train.py` runs)."""
-    script_args, training_args, model_args = make_parser(prog="hf-retrace train").parse_args_and_config(argv)
+    """`hf-retrace train --config RECIPE [--field value ...]` (also what `training/train.py` runs). A missing recipe,
+    an unknown or invalid field, or a missing path is a [`UsageError`] (one line, exit status 2)."""
+    try:
+        script_args, training_args, model_args = make_parser(prog="hf-retrace train").parse_args_and_config(argv)
+    except (FileNotFoundError, ValueError) as error:  # TrlParser's and the configs' own validation
+        raise UsageError(str(error)) from error
+    check_paths(script_args, training_args, model_args)
     main(script_args, training_args, model_args)
     return 0
 
 
 if __name__ == "__main__":
-    cli_main()
+    sys.exit(cli_main())
