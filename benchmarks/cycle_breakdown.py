@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
-from hf_retrace.models.generation_retrace import DraftLMHead
+from hf_retrace.models.draft_head_retrace import DraftLMHead
 from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm
 
 
@@ -177,16 +177,16 @@ def main():
         drafter.config.block_size = block_size
         if drafter.anchor_broadcast is not None:
             drafter.anchor_broadcast.block_size = block_size
-        drafter.config.draft_logits_dtype = args.draft_logits_dtype
+        drafter.generation_config.draft_logits_dtype = args.draft_logits_dtype
         if args.num_assistant_tokens is not None:  # else the drafter config's
-            drafter.config.num_assistant_tokens = args.num_assistant_tokens
+            drafter.generation_config.num_assistant_tokens = args.num_assistant_tokens
         if args.confidence_threshold is not None:
-            drafter.config.assistant_confidence_threshold = args.confidence_threshold
+            drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold
         if args.prompt_lookup_num_tokens is not None:
-            drafter.config.prompt_lookup_num_tokens = args.prompt_lookup_num_tokens or None
+            drafter.generation_config.prompt_lookup_num_tokens = args.prompt_lookup_num_tokens or None
         if args.skinny_gemm:
             enable_skinny_gemm(drafter, tune_rows=DEFAULT_TUNE_ROWS)
-        config = drafter.config
+        config = drafter.generation_config
         if config.datastore_num_tokens:  # the datastore index is built once per drafter, before any timing
             sizes = (config.datastore_max_ngram_size, config.datastore_min_ngram_size)
             drafter.datastore(config.datastore_num_tokens, *sizes)
@@ -204,7 +204,7 @@ def main():
             start = time.perf_counter()
             run(target, tokenizer, drafter, args.max_new_tokens)  # compiles, and recompiles on new shapes
             print(f"torch.compile warm-up generations: {time.perf_counter() - start:.0f} s")
-        width = min(block_size, (drafter.config.num_assistant_tokens or block_size) + 1)  # a full cycle's tokens
+        width = min(block_size, (drafter.generation_config.num_assistant_tokens or block_size) + 1)  # a full cycle's tokens
         verify = decode_step_ms(target, width)
         result = run(target, tokenizer, drafter, args.max_new_tokens)
         parts = result["per_cycle_ms"]

@@ -24,13 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     drafter = ReTraceDrafterModel.from_pretrained(args.drafter)
-    config = drafter.config
+    config = drafter.generation_config
     if config.datastore_num_tokens is None:
         parser.error(f"{args.drafter} has no datastore lookup (datastore_num_tokens is null): `hf-retrace datastore`")
     start = time.perf_counter()
     sizes = (config.datastore_max_ngram_size, config.datastore_min_ngram_size)
     index = drafter.datastore(config.datastore_num_tokens, *sizes)
-    print(f"index of {config.datastore_size} tokens built in {time.perf_counter() - start:.2f} s")
+    print(f"index of {drafter.datastore_size} tokens built in {time.perf_counter() - start:.2f} s")
     sequences = json.loads(Path(args.continuations).read_text())["sequences"]
     contexts = [torch.tensor(s[: p + 1]) for s in sequences for p in range(len(s) - 64, len(s) - 1, 4)]
     start = time.perf_counter()

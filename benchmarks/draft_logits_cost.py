@@ -18,7 +18,7 @@ import torch
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.data.assets import load_default_target
-from hf_retrace.models.generation_retrace import draft_lm_head
+from hf_retrace.models.draft_head_retrace import draft_lm_head
 
 
 PROMPT = "Write a Python function that returns the sum of squares of a list."
@@ -51,7 +51,7 @@ def reduced_head_costs(target, drafter) -> dict[str, float]:
     """The fp32 head of a reduced draft vocabulary on the `k` rows the generator scores (`num_assistant_tokens`):
     `linear` on the [K, H] slice against `DraftLMHead`'s GEMM on the contiguous [H, K] transpose."""
     head, ids = target.get_output_embeddings(), drafter.draft_vocab_ids
-    k = drafter.config.num_assistant_tokens or drafter.config.block_size - 1
+    k = drafter.generation_config.num_assistant_tokens or drafter.config.block_size - 1
     draft_head = draft_lm_head(head, "float32", ids)
     states = torch.randn(1, k + 1, head.weight.shape[1])[:, 1:]
     flat, rows = states.reshape(k, -1), head.weight.detach()[ids]
@@ -67,7 +67,7 @@ def cycle_costs(target, tokenizer, drafter, max_new_tokens: int, repeats: int) -
     reference = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     for _ in range(repeats):
         for dtype in (None, "bfloat16"):
-            drafter.config.draft_logits_dtype = dtype
+            drafter.generation_config.draft_logits_dtype = dtype
             target.generate(**inputs, assistant_model=drafter, max_new_tokens=8, do_sample=False)  # warmup
             start = time.perf_counter()
             out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)

@@ -7,8 +7,8 @@ decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace benc
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
 `--max-new-tokens` and `--draft-logits-dtype`). `--prompt-lookup-num-tokens 3` adds each arm again with prompt
-lookup in front of the drafter (`config.prompt_lookup_num_tokens`), and `--datastore` with each drafter's datastore
-lookup behind it (`config.datastore_num_tokens`). `--num-assistant-tokens 2,3` and
+lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), and `--datastore` with each drafter's
+datastore lookup behind it (`generation_config.datastore_num_tokens`). `--num-assistant-tokens 2,3` and
 `--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the drafter config settings of those
 names); `verified` is the mean
 tokens per verification forward, which with `benchmarks/verification_cost.py` prices a cycle. `--pool-rows
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, _, folder in drafters:
         drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
         if args.draft_logits_dtype != "none":
-            drafter.config.draft_logits_dtype = args.draft_logits_dtype
+            drafter.generation_config.draft_logits_dtype = args.draft_logits_dtype
         if args.datastore:  # each drafter's own datastore, behind prompt lookup as in generation
             lookups = _lookups(prompts, sequences, lookup, _datastore(drafter, folder, parser))
         lookup_label = " +" + "+".join(["lookup"] * bool(lookup) + ["datastore"] * args.datastore)
@@ -115,9 +115,9 @@ def _lookups(prompts, sequences, lookup: tuple[int, int, int] | None, datastore)
 
 def _datastore(drafter, folder: str, parser):
     """The drafter's [`NgramDatastore`] under its config's settings; a parser error when it has none."""
-    config = drafter.config
+    config = drafter.generation_config
     if config.datastore_num_tokens is None:
-        parser.error(f"--datastore: {folder} has no datastore lookup (config.datastore_num_tokens is unset); attach "
+        parser.error(f"--datastore: {folder} has no datastore lookup (datastore_num_tokens is unset); attach "
                      "one with `hf-retrace datastore`")  # fmt: skip
     return drafter.datastore(config.datastore_num_tokens, config.datastore_max_ngram_size,
                              config.datastore_min_ngram_size)  # fmt: skip

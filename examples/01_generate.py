@@ -76,10 +76,10 @@ def main():
     config = drafter.config
     print(f"\ndrafter: {source} (skinny_gemm={args.skinny_gemm}, retrace_mode={config.retrace_mode}, "
           f"block_size={config.block_size}, "
-          f"num_assistant_tokens={config.num_assistant_tokens}, "
-          f"assistant_confidence_threshold={config.assistant_confidence_threshold}, "
-          f"prompt_lookup_num_tokens={config.prompt_lookup_num_tokens}, "
-          f"datastore_num_tokens={config.datastore_num_tokens})")
+          f"num_assistant_tokens={drafter.generation_config.num_assistant_tokens}, "
+          f"assistant_confidence_threshold={drafter.generation_config.assistant_confidence_threshold}, "
+          f"prompt_lookup_num_tokens={drafter.generation_config.prompt_lookup_num_tokens}, "
+          f"datastore_num_tokens={drafter.generation_config.datastore_num_tokens})")
     kinds = [f"{stats.num_lookup_cycles} prompt lookup"] * bool(stats.num_lookup_cycles)
     kinds += [f"{stats.num_datastore_cycles} datastore lookup"] * bool(stats.num_datastore_cycles)
     lookups = f", {' and '.join(kinds)}" if kinds else ""

@@ -1,7 +1,7 @@
 """hf_retrace: ReTrace speculative decoding (rejected-trajectory conditioning on a DFlash drafter) for transformers.
 
-`import hf_retrace` registers the drafter with the Auto classes and (by importing `models.generation_retrace`)
-makes `target.generate(..., assistant_model=drafter)` pick the ReTrace candidate generator.
+`import hf_retrace` registers the drafter with the Auto classes and (by importing `models.hook_retrace`) makes
+`target.generate(..., assistant_model=drafter)` pick the ReTrace candidate generator.
 
 Sub-packages: `models` (the Hub files), `trainer`, `data`, `bench`, `hub`; `cli` is the `hf-retrace` command.
 """
@@ -9,14 +9,15 @@ Sub-packages: `models` (the Hub files), `trainer`, `data`, `bench`, `hub`; `cli`
 from transformers import AutoConfig, AutoModel
 
 from .models.configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
+from .models.candidates_retrace import CandidateSource
+from .models.decoding_retrace import ReTraceDecodingSettings
 from .models.generation_retrace import (
     ReTraceCandidateGenerator,
     ReTraceConditioning,
     ReTraceGenerationStats,
     build_rejected_trajectory,
-    install_generate_hook,
-    retrace_generate,
 )
+from .models.hook_retrace import install_generate_hook, retrace_generate
 from .models.modeling_retrace import ReTraceDrafterModel, ReTraceDrafterPreTrainedModel
 from .hub import publish as _publish
 
@@ -40,11 +41,13 @@ def __getattr__(name):
 
 
 __all__ = [
+    "CandidateSource",
     "ReTraceConfig",
     "ReTraceTrainer",
     "RETRACE_MODES",
     "ReTraceCandidateGenerator",
     "ReTraceConditioning",
+    "ReTraceDecodingSettings",
     "ReTraceDrafterConfig",
     "ReTraceDrafterModel",
     "ReTraceDrafterPreTrainedModel",

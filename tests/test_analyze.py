@@ -7,7 +7,7 @@ import pytest
 from conftest import make_drafter, make_target, random_prompt
 
 from hf_retrace.bench import analyze
-from hf_retrace.models import generation_retrace
+from hf_retrace.models import draft_head_retrace
 from hf_retrace.bench.analyze import AgreementCounts, DraftRound, analyze_generation, num_accepted, round_agreement
 from hf_retrace.bench.run import torch_threads
 
@@ -132,10 +132,10 @@ def test_analysis_drafts_every_cycle_whatever_the_drafter_verifies(tiny):
     shipped.set_datastore([target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)[0].tolist()])
     settings = dict(num_assistant_tokens=2, assistant_confidence_threshold=0.3, prompt_lookup_num_tokens=2,
                     datastore_num_tokens=2)  # fmt: skip
-    shipped.config.update(settings)
+    shipped.generation_config.update(**settings)
     counts = analyze_generation(target, shipped, prompt, max_new_tokens=30)
     assert counts == analyze_generation(target, plain, prompt, max_new_tokens=30) and counts.slots > 0
-    assert {name: getattr(shipped.config, name) for name in settings} == settings
+    assert {name: getattr(shipped.generation_config, name) for name in settings} == settings
 
 
 def test_recorder_sees_what_the_generator_drafted(tiny):
@@ -164,9 +164,9 @@ def test_recorder_scores_with_the_generators_draft_head(tiny, monkeypatch):
     name other drafts and the alignment cross-check would fail."""
     _, target = tiny
     drafter = make_drafter(target, block_size=4, mode="corrected")
-    drafter.config.draft_logits_dtype = "bfloat16"
-    original = generation_retrace.DraftLMHead.forward
-    monkeypatch.setattr(generation_retrace.DraftLMHead, "forward", lambda self, h: original(self, h).roll(1, dims=-1))
+    drafter.generation_config.draft_logits_dtype = "bfloat16"
+    original = draft_head_retrace.DraftLMHead.forward
+    monkeypatch.setattr(draft_head_retrace.DraftLMHead, "forward", lambda self, h: original(self, h).roll(1, dims=-1))
     for seed in range(3):
         counts = analyze_generation(target, drafter, random_prompt(5 + seed, seed=seed), max_new_tokens=30)
         assert counts.rounds > 0

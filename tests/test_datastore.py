@@ -1,15 +1,21 @@
-"""Datastore lookup (`config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the drafter's
+"""Datastore lookup (`generation_config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the drafter's
 datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output stays
-exactly the target's."""
+exactly the target's; `datastore.safetensors`, the file beside the weights; old checkpoints that kept the datastore in
+model.safetensors."""
 
 import collections
+import json
 import random
 
 import pytest
 import torch
 
 from conftest import make_drafter, make_target, random_prompt
-from hf_retrace import ReTraceDrafterConfig, ReTraceDrafterModel
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hf_retrace import ReTraceDrafterModel
+from hf_retrace.models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file, save_datastore_file
 from hf_retrace.models.datastore_retrace import SEPARATOR, NgramDatastore, _suffix_keys, _window_keys
 
 
@@ -73,22 +79,26 @@ def test_datastore_never_spans_two_responses():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(datastore_num_tokens=3), "the drafter has no datastore"),
-    (dict(datastore_num_tokens=0, datastore_size=10), "datastore_num_tokens must be >= 1"),
-    (dict(datastore_size=0), "datastore_size must be >= 1"),
+    (dict(datastore_num_tokens=0), "datastore_num_tokens must be >= 1"),
     (dict(datastore_max_ngram_size=2, datastore_min_ngram_size=3), "got min 3 and max 2"),
 ])  # fmt: skip
 def test_bad_datastore_settings_are_rejected(bad, message):
+    drafter = make_drafter(make_target("qwen3"), block_size=4, mode="off")
+    if bad.get("datastore_num_tokens") == 0:
+        drafter.set_datastore([[1, 2, 3]])
+    for key, value in bad.items():
+        setattr(drafter.generation_config, key, value)
     with pytest.raises(ValueError, match=message):
-        ReTraceDrafterConfig(vocab_size=64, hidden_size=32, num_target_layers=4, mask_token_id=1, **bad)
+        drafter.decoding_settings()
 
 
 def test_set_datastore_rejects_tokens_outside_the_vocabulary():
     drafter = make_drafter(make_target("qwen3"), block_size=4, mode="off")
     with pytest.raises(ValueError, match="token-id lists in"):
         drafter.set_datastore([[1, 2, drafter.config.vocab_size]])
-    drafter.config.datastore_num_tokens = 2
+    drafter.generation_config.datastore_num_tokens = 2
     with pytest.raises(ValueError, match="the drafter has no datastore"):
-        drafter.config.check_datastore(2, 6, 3, drafter.config.datastore_size)
+        drafter.decoding_settings()
 
 
 def _greedy_responses(target, seeds, new_tokens=30):
@@ -106,9 +116,9 @@ def test_datastore_lookup_is_lossless_and_runs_beside_drafts_and_prompt_lookup(m
     drafter = make_drafter(target, block_size=4, mode=mode)
     # the target's own responses to half of the prompts: on those the datastore predicts whole stretches
     drafter.set_datastore(_greedy_responses(target, range(4)))
-    drafter.config.datastore_num_tokens = 3
-    drafter.config.datastore_min_ngram_size = 2
-    drafter.config.prompt_lookup_num_tokens = 2
+    drafter.generation_config.datastore_num_tokens = 3
+    drafter.generation_config.datastore_min_ngram_size = 2
+    drafter.generation_config.prompt_lookup_num_tokens = 2
     totals = collections.Counter()
     for seed in range(8):
         prompt = random_prompt(5, seed=seed)
@@ -128,24 +138,59 @@ def _saved_drafter_with_datastore(folder, num_responses):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
     drafter.set_datastore(_greedy_responses(target, range(num_responses)))
-    drafter.config.datastore_num_tokens = 2
+    drafter.generation_config.datastore_num_tokens = 2
     drafter.save_pretrained(folder)
     return target, drafter
 
 
-def test_datastore_round_trips_through_save_pretrained(tmp_path):
+def test_datastore_round_trips_through_its_own_file(tmp_path):
     target, drafter = _saved_drafter_with_datastore(tmp_path, 3)
-    assert (tmp_path / "datastore_retrace.py").is_file()  # the remote-code copy needs it
+    assert (tmp_path / "datastore_retrace.py").is_file() and (tmp_path / "datastore_file_retrace.py").is_file()
+    assert set(load_file(tmp_path / "model.safetensors")) == set(drafter.state_dict())  # weights only
+    assert not any("datastore" in key for key in drafter.state_dict())
+    with safe_open(tmp_path / DATASTORE_FILE, framework="pt") as f:  # the format FORMAT.md describes
+        stored, metadata, keys = f.get_tensor("token_ids"), f.metadata(), list(f.keys())
+    assert keys == ["token_ids"] and stored.dtype == torch.uint16  # vocab 128 fits
+    assert metadata["format"] == "pt" and metadata["separator"] == "65535" and len(metadata["sha256"]) == 64
+    assert torch.equal(torch.where(stored.to(torch.int32) == 65535, SEPARATOR, stored.to(torch.int32)),
+                       drafter.datastore_tokens)  # fmt: skip
+    assert "datastore_num_tokens" not in json.loads((tmp_path / "config.json").read_text())
+    assert json.loads((tmp_path / "generation_config.json").read_text())["datastore_num_tokens"] == 2
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
-    assert torch.equal(loaded.datastore_token_ids, drafter.datastore_token_ids)
-    assert loaded.datastore_token_ids.dtype == torch.int32
+    assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens) and loaded.datastore_tokens.dtype == torch.int32
     prompt = random_prompt(5, seed=1)
     expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
     got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=loaded)
     assert got.tolist() == expected.tolist()
     assert loaded.last_generation_stats.num_datastore_cycles > 0
     loaded.set_datastore(None)
-    assert loaded.config.datastore_size is None and loaded.config.datastore_num_tokens is None
+    assert loaded.datastore_size is None and loaded.generation_config.datastore_num_tokens is None
+    loaded.save_pretrained(tmp_path)  # no datastore any more: the folder's file goes too
+    assert not (tmp_path / DATASTORE_FILE).exists()
+
+
+def test_large_vocabularies_store_int32_with_separator_minus_one(tmp_path):
+    ids = torch.tensor([0, 70_000, SEPARATOR, 5, SEPARATOR], dtype=torch.int32)
+    save_datastore_file(tmp_path / DATASTORE_FILE, ids, vocab_size=100_000)
+    with safe_open(tmp_path / DATASTORE_FILE, framework="pt") as f:
+        assert f.get_tensor("token_ids").dtype == torch.int32 and f.metadata()["separator"] == "-1"
+    assert torch.equal(load_datastore_file(tmp_path / DATASTORE_FILE, 100_000), ids)
+
+
+def test_a_corrupt_or_foreign_datastore_file_is_a_clear_error(tmp_path):
+    _saved_drafter_with_datastore(tmp_path, 2)
+    path = tmp_path / DATASTORE_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-4] ^= 1  # one flipped bit in the token data
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="corrupt datastore file .*sha256 does not match"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)
+    path.write_bytes(bytes(raw[:40]))  # truncated
+    with pytest.raises(ValueError, match="corrupt datastore file"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)
+    save_datastore_file(path, torch.tensor([1, 500, SEPARATOR]), vocab_size=1000)  # ids beyond the drafter's 128
+    with pytest.raises(ValueError, match=r"corrupt datastore file .*\[0, vocab_size=128\)"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)
 
 
 def test_sampling_with_datastore_lookup_commits_every_token_once():
@@ -154,8 +199,8 @@ def test_sampling_with_datastore_lookup_commits_every_token_once():
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="corrected")
     drafter.set_datastore(_greedy_responses(target, range(4)))
-    drafter.config.datastore_num_tokens = 3
-    drafter.config.datastore_min_ngram_size = 1
+    drafter.generation_config.datastore_num_tokens = 3
+    drafter.generation_config.datastore_min_ngram_size = 1
     torch.manual_seed(0)
     out = target.generate(random_prompt(5, seed=0), do_sample=True, pad_token_id=0, max_new_tokens=40,
                           assistant_model=drafter)  # fmt: skip
@@ -164,8 +209,9 @@ def test_sampling_with_datastore_lookup_commits_every_token_once():
     assert stats.num_datastore_cycles > 0
 
 
-def test_datastore_command_stores_pool_responses_with_the_drafter(tmp_path, capsys):
-    """`hf-retrace datastore`: the first END rows of a `DIR:END` pool become the drafter's datastore, saved with it."""
+def test_datastore_command_writes_only_the_datastore_and_settings(tmp_path, capsys):
+    """`hf-retrace datastore`: the first END rows of a `DIR:END` pool become the drafter's datastore; the weights file
+    is copied byte for byte (another folder) or left alone (in place), never rewritten."""
     from hf_retrace.cli import main as cli_main
     from hf_retrace.data.continuous_generation import PromptItem
     from hf_retrace.data.pool import build_pool, read_token_shards
@@ -175,26 +221,69 @@ def test_datastore_command_stores_pool_responses_with_the_drafter(tmp_path, caps
     build_pool(target, items, tmp_path / "pool", None, eos_token_ids={-1}, layer_ids=[0], target_name="tiny",
                batch_size=2, max_new_tokens=6)  # fmt: skip
     make_drafter(target).save_pretrained(tmp_path / "drafter")
+    weights = (tmp_path / "drafter" / "model.safetensors").read_bytes()
     argv = ["datastore", "--drafter", str(tmp_path / "drafter"), "--pool", f"{tmp_path / 'pool'}:3"]
     assert cli_main(argv + ["--num-tokens", "2", "--output", str(tmp_path / "out")]) == 0
     assert "datastore of 3 responses, 21 tokens with separators" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == weights
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path / "out")
     first_rows = read_token_shards(tmp_path / "pool")[:3]
-    assert loaded.datastore_token_ids.tolist() == [t for row in first_rows for t in (*row["response_ids"], SEPARATOR)]
-    assert loaded.config.datastore_num_tokens == 2 and loaded.config.datastore_min_ngram_size == 3
+    assert loaded.datastore_tokens.tolist() == [t for row in first_rows for t in (*row["response_ids"], SEPARATOR)]
+    settings = loaded.generation_config
+    assert settings.datastore_num_tokens == 2 and settings.datastore_min_ngram_size == 3
+    before = (tmp_path / "drafter" / "model.safetensors").stat().st_mtime_ns
+    assert cli_main(argv + ["--num-tokens", "3", "--output", str(tmp_path / "drafter")]) == 0  # in place
+    assert (tmp_path / "drafter" / "model.safetensors").stat().st_mtime_ns == before
+    assert ReTraceDrafterModel.from_pretrained(tmp_path / "drafter").generation_config.datastore_num_tokens == 3
     with pytest.raises(ValueError, match="END must be in"):
         cli_main(argv[:4] + [f"{tmp_path / 'pool'}:9", "--output", str(tmp_path / "bad")])
 
 
-def test_a_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
-    from safetensors.torch import load_file, save_file
+def _to_old_layout(folder, drafter, datastore: bool = True) -> None:
+    """Rewrites a saved drafter folder the way checkpoints were written before generation_config.json and
+    datastore.safetensors: decoding settings in config.json, the datastore inside model.safetensors."""
+    config = json.loads((folder / "config.json").read_text())
+    settings = {key: getattr(drafter.generation_config, key) for key in ("num_assistant_tokens", "datastore_num_tokens",
+                "datastore_max_ngram_size", "datastore_min_ngram_size", "prompt_lookup_min_ngram_size")}  # fmt: skip
+    config.update(settings, prompt_lookup_max_ngram_size=drafter.generation_config.max_matching_ngram_size,
+                  assistant_confidence_threshold=None, prompt_lookup_num_tokens=None, draft_logits_dtype=None)  # fmt: skip
+    weights = load_file(folder / "model.safetensors")
+    if datastore:
+        config["datastore_size"] = len(drafter.datastore_tokens)
+        weights["datastore_token_ids"] = drafter.datastore_tokens.clone()
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "generation_config.json").unlink()
+    (folder / DATASTORE_FILE).unlink()
 
-    target, _ = _saved_drafter_with_datastore(tmp_path, 2)
+
+def test_an_old_checkpoint_with_the_datastore_in_its_weights_still_loads(tmp_path):
+    target, drafter = _saved_drafter_with_datastore(tmp_path / "old", 3)
+    drafter.generation_config.num_assistant_tokens = 2
+    _to_old_layout(tmp_path / "old", drafter)
+    with pytest.warns(FutureWarning, match="now live in the drafter's generation_config") as caught:
+        loaded = ReTraceDrafterModel.from_pretrained(tmp_path / "old")
+    assert len([w for w in caught if issubclass(w.category, FutureWarning)]) == 1
+    assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens)
+    settings = loaded.generation_config
+    assert (settings.num_assistant_tokens, settings.datastore_num_tokens, settings.max_matching_ngram_size) == (2, 2, 3)
+    assert not any(key in vars(loaded.config) for key in ("datastore_size", "num_assistant_tokens"))
+    assert "datastore_token_ids" not in loaded.state_dict()
+    prompt = random_prompt(5, seed=1)
+    expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
+    got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=loaded)
+    assert got.tolist() == expected.tolist() and loaded.last_generation_stats.num_datastore_cycles > 0
+    loaded.save_pretrained(tmp_path / "new")  # re-saved: the new layout
+    assert "datastore_token_ids" not in load_file(tmp_path / "new" / "model.safetensors")
+    assert "datastore_size" not in json.loads((tmp_path / "new" / "config.json").read_text())
+    assert (tmp_path / "new" / DATASTORE_FILE).is_file()
+
+
+def test_an_old_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
+    _, drafter = _saved_drafter_with_datastore(tmp_path, 2)
+    _to_old_layout(tmp_path, drafter)
     weights = load_file(tmp_path / "model.safetensors")
-    weights.pop("datastore_token_ids")  # the buffer is then left uninitialised by from_pretrained
+    weights.pop("datastore_token_ids")  # the buffer is then left uninitialised (here: the constructor's fill)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
-    loaded.datastore_token_ids.fill_(0)  # uninitialised memory is often zeros: in the vocabulary, no separator
-    with pytest.raises(ValueError, match="the checkpoint lacks or corrupts it"):
-        target.generate(random_prompt(5, seed=0), do_sample=False, pad_token_id=0, max_new_tokens=4,
-                        assistant_model=loaded)  # fmt: skip
+    with pytest.raises(ValueError, match="is not a datastore: it lacks or corrupts it"):
+        ReTraceDrafterModel.from_pretrained(tmp_path)

@@ -6,7 +6,7 @@ import torch
 from conftest import SUPPORT, VOCAB, make_drafter, make_target, random_prompt
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.trainer.draft_vocab import TrainingDraftHead, coverage, most_frequent_tokens
-from hf_retrace.models.generation_retrace import DraftLMHead, draft_lm_head
+from hf_retrace.models.draft_head_retrace import DraftLMHead, draft_lm_head
 
 
 def _greedy(target, prompt, **kwargs):

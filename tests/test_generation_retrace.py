@@ -7,7 +7,7 @@ from transformers.generation.utils import GenerationMixin
 
 from conftest import make_drafter, make_target, random_prompt, run_fresh_python
 from hf_retrace import ReTraceCandidateGenerator, build_rejected_trajectory, install_generate_hook
-from hf_retrace.models import generation_retrace
+from hf_retrace.models import generation_retrace, hook_retrace
 
 
 B, H, F = 6, 3, 2  # block, hidden, feature width
@@ -136,10 +136,10 @@ def test_one_target_and_one_drafter_forward_per_cycle(mode):
 
 
 def _load_module_copy(name: str):
-    """A second copy of generation_retrace.py under another module name, as `trust_remote_code` loads it."""
+    """A second copy of hook_retrace.py under another module name, as `trust_remote_code` loads it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, generation_retrace.__file__)
+    spec = importlib.util.spec_from_file_location(name, hook_retrace.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # runs install_generate_hook() on import
     return module
@@ -150,7 +150,7 @@ def test_hook_is_idempotent_and_falls_through():
     assert all(method._retrace_hook for method in hooked)  # installed by `import hf_retrace`, not by a constructor
     assert install_generate_hook() is True
     install_generate_hook()
-    _load_module_copy("remote_copy_generation_retrace")  # a remote-code copy installs nothing more
+    _load_module_copy("remote_copy_hook_retrace")  # a remote-code copy installs nothing more
     assert (GenerationMixin._get_candidate_generator, GenerationMixin._validate_generation_mode) == hooked
     for method in hooked:  # each wrapper wraps transformers' own method directly: wrapped once
         assert not getattr(method.__wrapped__, "_retrace_hook", False)
@@ -210,6 +210,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_unsupported_transformers_warns_and_falls_back_to_dflash():
     """Fresh process: on an unsupported transformers version `import hf_retrace` warns instead of raising, patches
     nothing, and the drafter decodes losslessly through transformers' own `speculation_type="dflash"` path."""

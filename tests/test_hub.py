@@ -83,11 +83,19 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
+    """With datastore lookup on, so the folder carries generation_config.json and datastore.safetensors and the
+    remote-code checks cover them."""
     torch.manual_seed(1)
     drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=4)
     with torch.no_grad():
         for param in drafter.retrace.parameters():  # non-zero W_v, W_c, gate: the conditioning changes drafts
             param.normal_(0.0, 0.5)
+    responses = []
+    for seed in range(3):  # the target's own responses to other prompts: the datastore proposes now and then
+        ids = torch.randint(8, 128, (1, 9), generator=torch.Generator().manual_seed(seed + 10))
+        responses.append(target.generate(ids, do_sample=False, max_new_tokens=20)[0, 9:].tolist())
+    drafter.set_datastore(responses)
+    drafter.generation_config.update(datastore_num_tokens=2, datastore_min_ngram_size=4)
     return drafter.eval()
 
 
@@ -199,6 +207,7 @@ for name, source in (("folder", sys.argv[2]), ("repo", "org/tiny-retrace")):
     out[name + "_module"] = type(drafter).__module__
     out[name + "_assistant"] = greedy(assistant_model=drafter)
     out[name + "_acceptance"] = drafter.last_generation_stats.acceptance_lengths
+    out[name + "_source_cycles"] = drafter.last_generation_stats.source_cycles
     out[name + "_custom"] = greedy(custom_generate=source, trust_remote_code=True)
 print("RESULT " + json.dumps(out))
 """
@@ -213,6 +222,7 @@ def run_isolated(args: list[str], cache: Path, cwd: Path) -> subprocess.Complete
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_loads_and_generates_losslessly_without_hf_retrace(folder, published, drafter, target, prompt, tmp_path):
     script = tmp_path / "check.py"
     script.write_text(ISOLATED_CHECK)
@@ -228,8 +238,11 @@ def test_loads_and_generates_losslessly_without_hf_retrace(folder, published, dr
         assert out[name + "_module"].startswith("transformers_modules.")
         assert out[name + "_assistant"] == out[name + "_custom"] == expected
         assert out[name + "_acceptance"] == drafter.last_generation_stats.acceptance_lengths  # same drafts
+        assert out[name + "_source_cycles"] == drafter.last_generation_stats.source_cycles
+    assert drafter.last_generation_stats.source_cycles.get("datastore", 0) > 0  # the datastore file was used
 
 
+@pytest.mark.slow
 def test_card_usage_snippet_runs(published, tmp_path):
     card = ModelCard.load(published[0] / "README.md")
     snippet = re.search(r"## Usage.*?```python\n(.*?)```", card.text, flags=re.DOTALL).group(1)
@@ -245,8 +258,11 @@ def test_card_usage_snippet_runs(published, tmp_path):
 
 def test_folder_layout(folder):
     names = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    assert names == {"config.json", "model.safetensors", *hub_validation.CODE_FILES, "custom_generate/generate.py",
-                     "README.md", "eval_results.json"}  # fmt: skip
+    assert names == {"config.json", "generation_config.json", "model.safetensors", "datastore.safetensors",
+                     *hub_validation.CODE_FILES, "custom_generate/generate.py", "README.md",
+                     "eval_results.json"}  # fmt: skip
+    assert not {"num_assistant_tokens", "datastore_size"} & json.loads((folder / "config.json").read_text()).keys()
+    assert json.loads((folder / "generation_config.json").read_text())["datastore_num_tokens"] == 2
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_retrace.ReTraceDrafterConfig",
                                   "AutoModel": "modeling_retrace.ReTraceDrafterModel"}  # fmt: skip
@@ -402,6 +418,11 @@ def _shape_mismatch(folder: Path):
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
 
 
+def _corrupt_datastore(folder: Path):
+    path = folder / "datastore.safetensors"
+    path.write_bytes(path.read_bytes()[:-2] + b"\x00\x01")
+
+
 def _drops_auto_map(folder: Path):
     config = json.loads((folder / "config.json").read_text())
     del config["auto_map"]["AutoModel"]
@@ -415,6 +436,7 @@ def _drops_auto_map(folder: Path):
         (_truncate_weights, "model.safetensors cannot be loaded"),
         (_shape_mismatch, "gate_proj.weight has shape [64, 32] but config.json implies [48, 32]"),
         (_drops_auto_map, "config.json auto_map has no AutoModel entry"),
+        (_corrupt_datastore, "corrupt datastore file"),
     ],
 )
 def test_publish_refuses_broken_folders(breaks, message, folder, tmp_path, capsys, monkeypatch):
@@ -427,6 +449,17 @@ def test_publish_refuses_broken_folders(breaks, message, folder, tmp_path, capsy
     assert message in err and "cannot be published" in err, err
     assert "save_for_hub" in err or "Hub files may import only" in err  # says how to fix it
     assert fake.create_calls == [] and fake.uploads == []
+
+
+def test_code_files_are_what_the_modeling_file_imports():
+    """`CODE_FILES` (what publish writes and validation requires) is exactly the relative-import closure of
+    modeling_retrace.py, which is what `register_for_auto_class` copies and `trust_remote_code` fetches."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from hf_retrace.models import modeling_retrace
+
+    closure = {Path(p).name for p in get_relative_import_files(modeling_retrace.__file__)}
+    assert closure | {"modeling_retrace.py"} == set(hub_validation.CODE_FILES)
 
 
 def test_validate_folder_refuses_code_that_imports_hf_retrace_or_is_missing(folder, tmp_path):

@@ -69,7 +69,7 @@ def test_verifying_only_the_first_k_drafts_is_lossless(mode):
     block, k = 6, 3
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=block, mode=mode)
-    drafter.config.num_assistant_tokens = k
+    drafter.generation_config.num_assistant_tokens = k
     acceptance = set()
     for i, stats, widths in _lossless_runs(target, drafter, mode):
         assert widths[1:].count(k + 1) == len(stats.acceptance_lengths)  # every drafted cycle verified k+1 tokens
@@ -88,7 +88,7 @@ def test_confidence_stop_is_lossless(mode):
     step after the drafter ran); output is still the target's and every drafter forward is one counted cycle."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=BLOCK, mode=mode)
-    drafter.config.assistant_confidence_threshold = THRESHOLD
+    drafter.generation_config.assistant_confidence_threshold = THRESHOLD
     verified = set()
     for _, stats, widths in _lossless_runs(target, drafter, mode):
         assert stats.num_drafter_forwards == len(stats.acceptance_lengths)
@@ -150,6 +150,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_custom_generate_route_is_lossless_and_patches_nothing():
     """In a fresh process with the hook taken off: the route is lossless and leaves every class of the target's MRO
     (GenerationMixin included) and the target instance as they were."""
@@ -188,11 +189,11 @@ def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
     """`draft_logits_dtype="bfloat16"`: the generator scores drafts with a cached bf16 copy of the lm head (fp32
     logits out, so sampler and acceptance test read the same q; see test_sampling.py); greedy output is still the
     target's."""
-    from hf_retrace.models.generation_retrace import DraftLMHead, draft_lm_head
+    from hf_retrace.models.draft_head_retrace import DraftLMHead, draft_lm_head
 
     target = make_target("llama")
     drafter = make_drafter(target, block_size=BLOCK, mode="corrected")
-    drafter.config.draft_logits_dtype = "bfloat16"
+    drafter.generation_config.draft_logits_dtype = "bfloat16"
     head = target.get_output_embeddings()
     draft_head = draft_lm_head(head, "bfloat16")
     assert isinstance(draft_head, DraftLMHead) and draft_head.weight.dtype == torch.bfloat16
@@ -207,10 +208,12 @@ def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
         expected = _greedy(target, prompt, max_new_tokens=max_new)
         got = _greedy(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
         assert got.tolist() == expected.tolist()
+    drafter.generation_config.draft_logits_dtype = "int8"
     with pytest.raises(ValueError, match="draft_logits_dtype must be one of"):
-        type(drafter.config)(**{**drafter.config.to_dict(), "draft_logits_dtype": "int8"})
+        _greedy(target, random_prompt(4, seed=0), max_new_tokens=4, assistant_model=drafter)
 
 
+@pytest.mark.slow
 def test_wrapped_drafters_pick_the_retrace_generator_and_stay_lossless():
     """`assistant_model=torch.compile(drafter)` and a PEFT-wrapped drafter: the generator class comes from the drafter's
     class hierarchy, not the wrapper's module (`torch._dynamo`, `peft`)."""

@@ -45,6 +45,7 @@ def test_shipped_folder_loads_with_the_package(folder):
             assert torch.equal(auto.state_dict()[key], value), key
 
 
+@pytest.mark.slow
 def test_shipped_retrace_drafter_is_lossless_on_the_real_target():
     target, tokenizer = load_default_target(torch.float32)
     drafter = ReTraceDrafterModel.from_pretrained(ROOT / "model_cards" / "smollm2-135m-retrace", dtype=torch.float32)
@@ -54,7 +55,7 @@ def test_shipped_retrace_drafter_is_lossless_on_the_real_target():
     got = target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter.eval())
     assert got.tolist() == expected.tolist()
     # its lookups skip most drafted cycles on a short answer; without them every cycle is drafted and conditioned
-    drafter.config.prompt_lookup_num_tokens = drafter.config.datastore_num_tokens = None
+    drafter.generation_config.prompt_lookup_num_tokens = drafter.generation_config.datastore_num_tokens = None
     got = target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=drafter)
     assert got.tolist() == expected.tolist()
     assert drafter.last_generation_stats.num_conditioned_rounds > 0

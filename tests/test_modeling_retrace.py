@@ -26,10 +26,6 @@ def test_default_target_layer_ids_follow_the_dflash_rule():
         ({"mask_token_id": 10**7}, "mask_token_id"),
         ({"target_layer_ids": [1, 40], "num_target_layers": 36}, "target_layer_ids"),
         ({"retrace_gate_init": 0.0}, "retrace_gate_init"),
-        ({"block_size": 4, "num_assistant_tokens": 4}, "num_assistant_tokens"),
-        ({"num_assistant_tokens": 0}, "num_assistant_tokens"),
-        ({"assistant_confidence_threshold": 0.0}, "assistant_confidence_threshold"),
-        ({"assistant_confidence_threshold": 1.5}, "assistant_confidence_threshold"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types"),
         ({"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}, "sliding_window"),
@@ -203,7 +199,7 @@ def test_verification_limits_set_after_loading_are_checked_at_generate(
     tiny_target, tiny_drafter, field, value, message
 ):
     # one more draft than a block has; a probability above 1
-    setattr(tiny_drafter.config, field, tiny_drafter.config.block_size if value == "block_size" else value)
+    setattr(tiny_drafter.generation_config, field, tiny_drafter.config.block_size if value == "block_size" else value)
     with pytest.raises(ValueError, match=message):
         tiny_target.generate(random_prompt(4, 0), max_new_tokens=5, assistant_model=tiny_drafter)
 
@@ -228,6 +224,7 @@ _FRESH_PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_round_trip_with_remote_code_in_a_fresh_process(tmp_path, tiny_target, tiny_drafter):
     drafter_dir, target_dir = tmp_path / "drafter", tmp_path / "target"
     tiny_drafter.save_pretrained(drafter_dir)
@@ -331,6 +328,7 @@ def test_sdpa_gives_the_same_drafts_as_eager(tiny_target):
     assert sdpa.last_generation_stats.acceptance_lengths == eager.last_generation_stats.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_flex_attention_gives_the_same_drafts_as_eager(tiny_target):
     """flex == eager on the inference block (the BlockMask spans `[context ; block]`) and the training block mask.
     Run under `torch.compile(backend="eager")`, which executes flex's reference implementation: outside a compiled

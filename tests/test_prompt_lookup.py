@@ -1,4 +1,4 @@
-"""Prompt lookup in front of the drafter (`config.prompt_lookup_num_tokens`): cycles whose context ends in a recurring
+"""Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`): cycles whose context ends in a recurring
 n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the target's."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from conftest import make_drafter, make_target, random_prompt
-from hf_retrace import ReTraceDrafterConfig
 from hf_retrace.bench.replay import target_features
-from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator, prompt_lookup_candidates
+from hf_retrace.models.candidates_retrace import prompt_lookup_candidates
+from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator
 
 
 def _lookup(ids, num_tokens=3, max_size=3, min_size=1):
@@ -50,11 +50,13 @@ def test_lookup_matches_transformers_prompt_lookup():
 @pytest.mark.parametrize("bad, message", [
     (dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens must be >= 1"),
     (dict(prompt_lookup_min_ngram_size=0), "1 <= prompt_lookup_min_ngram_size"),
-    (dict(prompt_lookup_max_ngram_size=2, prompt_lookup_min_ngram_size=3), "got min 3 and max 2"),
+    (dict(max_matching_ngram_size=2, prompt_lookup_min_ngram_size=3), "got min 3 and max 2"),
 ])  # fmt: skip
 def test_bad_lookup_settings_are_rejected(bad, message):
+    drafter = make_drafter(make_target("qwen3"), block_size=4, mode="off")
+    drafter.generation_config.update(**bad)
     with pytest.raises(ValueError, match=message):
-        ReTraceDrafterConfig(vocab_size=64, hidden_size=32, num_target_layers=4, mask_token_id=1, **bad)
+        drafter.decoding_settings()
 
 
 def _record_cycles(monkeypatch):
@@ -63,8 +65,9 @@ def _record_cycles(monkeypatch):
 
     def recording(self, input_ids, *args, **kwargs):
         candidate_ids, logits = original(self, input_ids, *args, **kwargs)
-        if self._cycle is not None:
-            cycles.append((input_ids.shape[1], self._cycle, candidate_ids[0, input_ids.shape[1] :].tolist()))
+        if self._drafted or self._cycle_source is not None:
+            kind = "draft" if self._drafted else {"prompt_lookup": "lookup"}[self._cycle_source.name]
+            cycles.append((input_ids.shape[1], kind, candidate_ids[0, input_ids.shape[1] :].tolist()))
         return candidate_ids, logits
 
     monkeypatch.setattr(ReTraceCandidateGenerator, "get_candidates", recording)
@@ -75,8 +78,8 @@ def _record_cycles(monkeypatch):
 def test_lookup_before_the_drafter_is_lossless(mode, monkeypatch):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode=mode)
-    drafter.config.prompt_lookup_num_tokens = 3
-    drafter.config.num_assistant_tokens = 2
+    drafter.generation_config.prompt_lookup_num_tokens = 3
+    drafter.generation_config.num_assistant_tokens = 2
     cycles = _record_cycles(monkeypatch)
     lookups = drafted = 0
     for i in range(6):
@@ -103,7 +106,7 @@ def test_the_drafter_catches_up_on_the_features_of_lookup_cycles(monkeypatch):
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
     config = drafter.config
-    config.prompt_lookup_num_tokens = 2
+    drafter.generation_config.prompt_lookup_num_tokens = 2
     cycles = _record_cycles(monkeypatch)
     checked_after_lookup = 0
     for i in range(12):
@@ -136,7 +139,7 @@ def test_generate_kwargs_turn_lookup_on_and_override_the_config():
                           prompt_lookup_num_tokens=2)  # fmt: skip
     assert got.tolist() == expected.tolist()
     assert drafter.last_generation_stats.num_lookup_cycles > 0
-    assert drafter.config.prompt_lookup_num_tokens is None  # generate's setting is for that call only
+    assert drafter.generation_config.prompt_lookup_num_tokens is None  # generate's setting is for that call only
     target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=drafter)
     assert drafter.last_generation_stats.num_lookup_cycles == 0
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be >= 1"):
@@ -149,7 +152,7 @@ def test_sampling_with_lookup_runs_both_kinds_of_cycle():
     `test_sampling.py` cover the drafted path; this checks the mix runs and commits every token once."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="corrected")
-    drafter.config.prompt_lookup_num_tokens = 3
+    drafter.generation_config.prompt_lookup_num_tokens = 3
     torch.manual_seed(0)
     out = target.generate(random_prompt(6, seed=4), do_sample=True, pad_token_id=0, max_new_tokens=40,
                           assistant_model=drafter)  # fmt: skip

@@ -21,8 +21,8 @@ def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_ass
         drafter.set_draft_vocab(vocab)
     # k < B-1: generation verifies the first k drafts of each full block, which the replay caps acceptance at; a
     # confidence stop verifies the leading confident ones, which the replay reads from the slot confidences
-    drafter.config.num_assistant_tokens = num_assistant_tokens
-    drafter.config.assistant_confidence_threshold = threshold
+    drafter.generation_config.num_assistant_tokens = num_assistant_tokens
+    drafter.generation_config.assistant_confidence_threshold = threshold
     limits = dict(num_assistant_tokens=num_assistant_tokens, assistant_confidence_threshold=threshold)
     replay, generated, lengths_seen = ReplayResult(**limits), [], set()
     expected_lengths = set(range(1, (num_assistant_tokens or 3) + 2))
@@ -51,8 +51,8 @@ def test_replayed_cycles_with_prompt_lookup_are_the_generated_ones(num_assistant
     drafter's block elsewhere, which reproduces generation (and its verification widths) cycle for cycle."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=4, mode="off")
-    drafter.config.num_assistant_tokens = num_assistant_tokens
-    drafter.config.prompt_lookup_num_tokens = 3
+    drafter.generation_config.num_assistant_tokens = num_assistant_tokens
+    drafter.generation_config.prompt_lookup_num_tokens = 3
     replay, lookup_cycles = ReplayResult(num_assistant_tokens=num_assistant_tokens), 0
     widths = []
     target.register_forward_hook(lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]),
@@ -80,8 +80,8 @@ def test_replayed_cycles_with_prompt_and_datastore_lookup_are_the_generated_ones
         prompt = random_prompt(5, seed=seed)
         responses.append(target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=30)[0, 5:].tolist())
     drafter.set_datastore(responses)
-    drafter.config.update(dict(datastore_num_tokens=3, datastore_min_ngram_size=2, prompt_lookup_num_tokens=2))
-    datastore = drafter.datastore(3, drafter.config.datastore_max_ngram_size, 2)
+    drafter.generation_config.update(datastore_num_tokens=3, datastore_min_ngram_size=2, prompt_lookup_num_tokens=2)
+    datastore = drafter.datastore(3, drafter.generation_config.datastore_max_ngram_size, 2)
     replay, datastore_cycles = ReplayResult(), 0
     for seed in range(6):
         prompt = random_prompt(5, seed=seed)

@@ -33,6 +33,7 @@ def _tv(p, q):
     return 0.5 * (p - q).abs().sum().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "draft_logits_dtype, draft_vocab, block_size, num_assistant_tokens, confidence",
     # q from the head, its bf16 copy, 5 of 8 tokens; B = 4 verifying only its first 2 drafts; then a confidence stop
@@ -52,9 +53,9 @@ def test_speculative_sampling_keeps_target_distribution(
     with torch.no_grad():  # peaked distributions, so target and drafter clearly differ
         target.get_output_embeddings().weight.mul_(8.0)
     drafter = make_drafter(target, block_size=block_size, mode="corrected")
-    drafter.config.draft_logits_dtype = draft_logits_dtype
-    drafter.config.num_assistant_tokens = num_assistant_tokens
-    drafter.config.assistant_confidence_threshold = confidence
+    drafter.generation_config.draft_logits_dtype = draft_logits_dtype
+    drafter.generation_config.num_assistant_tokens = num_assistant_tokens
+    drafter.generation_config.assistant_confidence_threshold = confidence
     if draft_vocab is not None:
         drafter.set_draft_vocab(draft_vocab)
     exact = _exact_marginals(target)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import EVAL_SEED_OFFSET
-from ..models.generation_retrace import draft_lm_head
+from ..models.draft_head_retrace import draft_lm_head
 from .methods import load_drafter, split_retrace_mode
 from .run import DTYPES, encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label, torch_threads
 
@@ -140,10 +140,11 @@ def analyze_generation(target, drafter, input_ids: torch.LongTensor, max_new_tok
     # the head the generator scores drafts with (a bf16 copy when `draft_logits_dtype` says so): near-tie argmaxes
     # of another head would disagree with the drafts that were verified
     head = draft_lm_head(
-        target.get_output_embeddings(), drafter.config.draft_logits_dtype, getattr(drafter, "draft_vocab_ids", None)
-    )
+        target.get_output_embeddings(), drafter.generation_config.draft_logits_dtype,
+        getattr(drafter, "draft_vocab_ids", None),
+    )  # fmt: skip
     recorder = DraftRecorder(drafter, head, top_k)
-    config = drafter.config
+    config = drafter.generation_config
     settings = ("num_assistant_tokens", "assistant_confidence_threshold", "prompt_lookup_num_tokens",
                 "datastore_num_tokens")  # fmt: skip
     saved = {name: getattr(config, name, None) for name in settings}

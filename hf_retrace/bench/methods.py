@@ -99,7 +99,7 @@ def load_drafter(
     if retrace_mode is not None:
         drafter.set_retrace_mode(retrace_mode)
     if draft_logits_dtype is not None:
-        drafter.config.draft_logits_dtype = None if draft_logits_dtype == "target" else draft_logits_dtype
+        drafter.generation_config.draft_logits_dtype = None if draft_logits_dtype == "target" else draft_logits_dtype
     return drafter.to(device).eval()
 
 

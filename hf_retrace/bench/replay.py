@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.generation_retrace import draft_lm_head, prompt_lookup_candidates
+from ..models.candidates_retrace import prompt_lookup_candidates
+from ..models.draft_head_retrace import draft_lm_head
 
 
 @torch.no_grad()
@@ -65,7 +66,9 @@ def anchor_scores(target, drafter, input_ids: torch.LongTensor, prompt_length: i
     block = config.block_size
     features = target_features(target, input_ids, config.target_layer_ids).to(drafter.dtype)  # [1, T, F]
     embed = target.get_input_embeddings()
-    head = draft_lm_head(target.get_output_embeddings(), config.draft_logits_dtype, drafter.draft_vocab_ids)
+    head = draft_lm_head(
+        target.get_output_embeddings(), drafter.generation_config.draft_logits_dtype, drafter.draft_vocab_ids
+    )
     ids = input_ids[0].tolist()
     scores = AnchorScores()
     for p in range(prompt_length, len(ids) - 1):
@@ -101,10 +104,10 @@ def lookup_acceptance(
     min_ngram_size: int = 2,
     datastore=None,
 ) -> list[tuple[int, int] | None]:
-    """Prompt lookup in front of the drafter (`config.prompt_lookup_num_tokens`), at every response anchor: what
+    """Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), at every response anchor: what
     [`prompt_lookup_candidates`] proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)`
     (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts. With
-    `datastore` (an [`NgramDatastore`], `config.datastore_num_tokens`), anchors prompt lookup leaves to the drafter
+    `datastore` (an [`NgramDatastore`], `generation_config.datastore_num_tokens`), anchors prompt lookup leaves to the drafter
     try it first, as generation does.
 
     Args:

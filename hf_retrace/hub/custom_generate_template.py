@@ -29,9 +29,9 @@ def _load_drafter(source: str, drafter_kwargs: tuple):
 
 
 def _retrace_generate_of(drafter):
-    """`retrace_generate` from the drafter's own code copy (the repo's `generation_retrace.py`)."""
+    """`retrace_generate` from the drafter's own code copy (the repo's `hook_retrace.py`)."""
     package = type(drafter).__module__.rsplit(".", 1)[0]
-    return importlib.import_module(f"{package}.generation_retrace").retrace_generate
+    return importlib.import_module(f"{package}.hook_retrace").retrace_generate
 
 
 def generate(model, drafter=None, drafter_kwargs=None, assistant_model=None, **kwargs):

@@ -5,20 +5,22 @@ and the `custom_generate` recipe for the repo id, then uploads it with `HfApi.cr
 
 Folder layout (everything a user needs with `transformers` alone, `trust_remote_code=True`):
 
-    config.json                  drafter config with `auto_map` (AutoConfig, AutoModel)
+    config.json                  the network (architecture, `retrace_mode`, ...) with `auto_map` (AutoConfig, AutoModel)
+    generation_config.json       the decoding settings (`num_assistant_tokens`, lookups, ...: `decoding_retrace`)
     model.safetensors            weights (or sharded `model-*.safetensors` + `model.safetensors.index.json`)
-    configuration_retrace.py     \
-    modeling_retrace.py           } the Hub files of `hf_retrace.models`, written by `save_pretrained`
-    generation_retrace.py         } (`register_for_auto_class`) and again by `publish`
-    datastore_retrace.py         /
+    datastore.safetensors        the datastore, when the drafter has one (`datastore_file_retrace`)
+    *_retrace.py                 the Hub files of `hf_retrace.models` (`validation.CODE_FILES`), written by
+                                 `save_pretrained` (`register_for_auto_class`) and again by `publish`
     custom_generate/generate.py  `target.generate(..., custom_generate=<repo>, trust_remote_code=True)` recipe
     README.md                    model card rendered from `hf_retrace/hub/templates/model_card.md`
     eval_results.json            the evaluation JSON behind the card's table (only when one was given)
 
-No `generation_config.json`: the drafter never generates on its own; `generate` runs on the target, with its config.
+`generation_config.json` holds the drafter's decoding settings, not the target's: `generate` runs on the target with
+its own config, and transformers reads an assistant's `num_assistant_tokens` from `assistant_model.generation_config`.
 
-A drafter folder kept in a source tree (`model_cards/*`) needs only `config.json` (with `auto_map`), the weights,
-the card and its `eval_results.json`: `publish` writes the code files of this package and the recipe into it before
+A drafter folder kept in a source tree (`model_cards/*`) needs only `config.json` (with `auto_map`),
+`generation_config.json`, the weights, its datastore, the card and its `eval_results.json`: `publish` uploads the
+whole folder and writes the code files of this package and the recipe into it before
 the upload, so the repo always carries the code of the hf_retrace that published it. With hf_retrace installed
 such a folder loads with `ReTraceDrafterModel.from_pretrained(folder)` or `AutoModel.from_pretrained(folder)`
 (`import hf_retrace` registers the classes, and transformers prefers registered code to `auto_map`).
@@ -37,13 +39,16 @@ import math
 import re
 import sys
 import tempfile
+import warnings
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-from ..models.configuration_retrace import ReTraceDrafterConfig
+from ..models.decoding_retrace import DECODING_DEFAULTS
+from ..models.modeling_retrace import ReTraceDrafterModel
 from .validation import (
     CODE_FILES,
     CUSTOM_GENERATE_FILE,
@@ -114,7 +119,7 @@ def render_hub_files(folder, repo_id: str, card_meta: dict, eval_results_json=No
     if eval_data is not None:
         files[EVAL_FILE] = (json.dumps(eval_data, indent=2, ensure_ascii=False) + "\n").encode()
     meta = {**_current_card_meta(folder), **{k: v for k, v in card_meta.items() if v is not None}}
-    config, num_parameters = ReTraceDrafterConfig.from_pretrained(folder), _num_parameters(folder)
+    config, num_parameters = _card_config(folder), _num_parameters(folder)
     card = render_model_card(config, repo_id=repo_id, eval_data=eval_data, num_parameters=num_parameters, **meta)
     files["README.md"] = str(card).encode()
     return files
@@ -136,6 +141,17 @@ def render_custom_generate(drafter_source: str) -> str:
     if count != 1:
         raise RuntimeError("custom_generate_template.py must contain exactly one `DRAFTER_SOURCE = None` line")
     return source
+
+
+def _card_config(folder: Path) -> SimpleNamespace:
+    """What the card template reads as `config`: the network config and the drafter's decoding settings as it loads
+    them (the template's names `prompt_lookup_max_ngram_size` and `datastore_size` included)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # an old folder's settings move on load; loading it says so
+        drafter = ReTraceDrafterModel.from_pretrained(folder)
+    decoding = {key: getattr(drafter.generation_config, key) for key in DECODING_DEFAULTS}
+    names = {**drafter.config.to_dict(), **decoding, "prompt_lookup_max_ngram_size": decoding["max_matching_ngram_size"]}
+    return SimpleNamespace(**names, datastore_size=drafter.datastore_size)
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:

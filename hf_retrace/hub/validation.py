@@ -14,12 +14,17 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 
 from ..models.configuration_retrace import ReTraceDrafterConfig
+from ..models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file
 from ..models.modeling_retrace import ReTraceDrafterModel
 
 
+# every Hub file of `hf_retrace.models`: `modeling_retrace.py` imports the others (transitively), and
+# `register_for_auto_class` copies them all; `tests/test_hub.py` checks this list is that import closure
 CODE_FILES = (
-    "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "datastore_retrace.py"
-)
+    "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "candidates_retrace.py",
+    "decoding_retrace.py", "draft_head_retrace.py", "hook_retrace.py", "datastore_retrace.py",
+    "datastore_file_retrace.py",
+)  # fmt: skip
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 
 
@@ -45,6 +50,7 @@ def validate_folder(folder, rendered: dict[str, bytes] | None = None) -> None:
         raise HubFolderError(f"{folder}/config.json is missing or unreadable ({err}); write the folder with "
                              "`save_for_hub(drafter, folder)`.") from err  # fmt: skip
     problems = _check_code_files(folder, config, rendered) + _check_package_imports(folder, rendered)
+    problems += _check_datastore(folder, config)
     try:
         shapes = weight_shapes(folder)
     except HubFolderError as err:
@@ -96,6 +102,16 @@ def _check_shapes(folder: Path, shapes: dict) -> list[str]:
     if problems:
         problems.append("config.json and the weights disagree: re-save both with `save_for_hub(drafter, folder)`.")
     return problems
+
+
+def _check_datastore(folder: Path, config: dict) -> list[str]:
+    if not (folder / DATASTORE_FILE).is_file():
+        return []
+    try:
+        load_datastore_file(folder / DATASTORE_FILE, int(config.get("vocab_size", 0)))
+    except (ValueError, OSError) as err:
+        return [f"{err} (or re-save the drafter with `save_for_hub(drafter, folder)`)"]
+    return []
 
 
 def _check_code_files(folder: Path, config: dict, rendered: dict[str, bytes]) -> list[str]:

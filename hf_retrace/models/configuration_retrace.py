@@ -1,15 +1,17 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch/transformers only, so `trust_remote_code=True` loads it without hf_retrace installed.
+# Hub file: imports transformers and `.decoding_retrace` only, so `trust_remote_code=True` loads it without
+# hf_retrace installed.
 """Configuration of the ReTrace drafter: a DFlash block drafter plus rejected-trajectory conditioning."""
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
+from .decoding_retrace import LEGACY_CONFIG_KEYS
+
 
 RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DRAFT_LOGITS_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -54,48 +56,17 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             attention; trained from scratch on a small budget, that routing never forms (mask queries attend to the
             other identical mask slots), so every slot predicts the same frequent token. Not part of public DFlash
             checkpoints; with `W_a = 0` the drafter equals its DFlash backbone.
-        draft_logits_dtype (`str`, *optional*): dtype of the target lm-head copy that scores DRAFTS (`"bfloat16"`,
-            `"float16"`, `"float32"`); unset uses the target's lm head as is. Verification always uses the target's
-            own lm head, so output stays exactly the target's: only which tokens are proposed can change (near-ties).
-            On CPU with an fp32 target, `"bfloat16"` makes the 15-row draft lm head ~5x cheaper.
         draft_vocab_size (`int`, *optional*): `K`, the size of the reduced draft vocabulary (EAGLE-3's idea). The
             drafter then scores only the `K` rows `draft_vocab_ids` (a buffer saved with the weights: the `K` most
             frequent tokens of the training responses) of the target's lm head, in training and at inference; the
             draft logits are scattered back to the full vocabulary with `-inf` elsewhere, so greedy verification and
             speculative sampling stay exact (a target token outside the draft vocabulary is simply a rejection).
             Unset: the full vocabulary (z-lab DFlash checkpoints).
-        num_assistant_tokens (`int`, *optional*): `k`, how many of the `B-1` drafts of a block the target verifies
-            (the first `k`); unset verifies all. The drafter still runs its whole block, so the first `k` drafts are
-            exactly those of the full block; only the verification forward shrinks to `k+1` tokens. Named after
-            transformers' assistant setting of the same meaning (set it on the drafter's config, as transformers
-            reads it from the assistant's). Worth it where a verification forward costs more per token than the
-            drafts beyond `k` get accepted (on CPU, `benchmarks/verification_cost.py`).
-        assistant_confidence_threshold (`float`, *optional*): verify only the drafts before the first slot whose
-            draft distribution peaks below this value (the drafter's top-1 probability; for greedy drafts, that of the
-            drafted token); a block whose first slot is below it is not verified at all, and the cycle is a plain
-            target step. Named after transformers' assistant setting of the same purpose. Unset: no confidence stop.
-            Lossless either way, and speculative sampling stays exact: the stop depends on the draft distributions
-            only, never on the sampled drafts or the target.
-        prompt_lookup_num_tokens (`int`, *optional*): turn on prompt lookup in front of the drafter. Each cycle first
-            looks for the context's last n-gram earlier in the context (prompt and output). Where it finds one, the
-            target verifies up to this many tokens that followed it, and the drafter skips the cycle. Where it finds
-            none, the drafter drafts as usual; its context then catches up on the target features of the skipped
-            cycles. Named after transformers' generation setting; passing `prompt_lookup_num_tokens` to `generate`
-            overrides it. Unset: the drafter drafts every cycle.
-        prompt_lookup_max_ngram_size (`int`, defaults to 3): longest n-gram looked up (tried first). Passing
-            `max_matching_ngram_size` to `generate` overrides it.
-        prompt_lookup_min_ngram_size (`int`, defaults to 2): shortest n-gram looked up. transformers' prompt lookup
-            goes down to single tokens. Behind a drafter, a one-token match proposes worse drafts than the drafter.
-        datastore_size (`int`, *optional*): tokens in the `datastore_token_ids` buffer, a corpus of the target's own
-            responses saved with the weights (`ReTraceDrafterModel.set_datastore`, `hf-retrace datastore`). Unset: no
-            datastore.
-        datastore_num_tokens (`int`, *optional*): turn on datastore lookup (REST) behind prompt lookup and in front of
-            the drafter. A cycle that prompt lookup leaves to the drafter first looks for the context's last n-gram
-            in the datastore; where it finds one, the target verifies up to this many tokens, each the one that most
-            often followed the longest n-gram the context ends with once the tokens before it are appended, and the
-            drafter skips the cycle. Needs `datastore_size`. Unset: no datastore lookup.
-        datastore_max_ngram_size (`int`, defaults to 6), datastore_min_ngram_size (`int`, defaults to 3): n-gram sizes
-            looked up in the datastore, longest first.
+
+    Decoding settings (`num_assistant_tokens`, the confidence stop, prompt and datastore lookup, `draft_logits_dtype`)
+    are not part of this config: they live in the drafter's `generation_config` (`generation_config.json`, see
+    `decoding_retrace`), and the datastore in `datastore.safetensors`. An old `config.json` that still carries them
+    loads: `ReTraceDrafterModel` moves them over, with one deprecation warning.
     """
 
     model_type = "retrace_drafter"
@@ -125,17 +96,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
     retrace_mode: str = "corrected"
     retrace_gate_init: float = 1.0
     anchor_broadcast: bool = False
-    draft_logits_dtype: str | None = None
     draft_vocab_size: int | None = None
-    num_assistant_tokens: int | None = None
-    assistant_confidence_threshold: float | None = None
-    prompt_lookup_num_tokens: int | None = None
-    prompt_lookup_max_ngram_size: int = 3
-    prompt_lookup_min_ngram_size: int = 2
-    datastore_size: int | None = None
-    datastore_num_tokens: int | None = None
-    datastore_max_ngram_size: int = 6
-    datastore_min_ngram_size: int = 3
 
     default_theta = 1000000.0
 
@@ -145,7 +106,12 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self._check_values()
+        # An old config.json's decoding settings: PreTrainedConfig drops the ones named like transformers' generation
+        # parameters (`num_assistant_tokens`, ...), so they are kept aside here for ReTraceDrafterModel to move over.
+        legacy = {key: kwargs.pop(key) for key in (*LEGACY_CONFIG_KEYS, "datastore_size") if key in kwargs}
         super().__post_init__(**kwargs)
+        for key, value in legacy.items():
+            setattr(self, key, value)
 
     def _check_values(self):
         if self.retrace_mode not in RETRACE_MODES:
@@ -167,48 +133,12 @@ class ReTraceDrafterConfig(PreTrainedConfig):
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         self._check_attention()
-        if self.draft_logits_dtype not in DRAFT_LOGITS_DTYPES:
-            raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {self.draft_logits_dtype!r}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}] or None, got {self.draft_vocab_size}"
             )
-        if self.num_assistant_tokens is not None and not 1 <= self.num_assistant_tokens < self.block_size:
-            raise ValueError(
-                f"num_assistant_tokens must be in [1, block_size - 1 = {self.block_size - 1}] or None (all drafts), "
-                f"got {self.num_assistant_tokens}"
-            )
-        if self.assistant_confidence_threshold is not None and not 0.0 < self.assistant_confidence_threshold <= 1.0:
-            raise ValueError(
-                f"assistant_confidence_threshold must be in (0, 1] or None, got {self.assistant_confidence_threshold}"
-            )
-        self.check_prompt_lookup(
-            self.prompt_lookup_num_tokens, self.prompt_lookup_max_ngram_size, self.prompt_lookup_min_ngram_size
-        )
-        if self.datastore_size is not None and self.datastore_size < 1:
-            raise ValueError(f"datastore_size must be >= 1 or None (no datastore), got {self.datastore_size}")
-        datastore_sizes = (self.datastore_max_ngram_size, self.datastore_min_ngram_size)
-        self.check_datastore(self.datastore_num_tokens, *datastore_sizes, self.datastore_size)
         if self.retrace_gate_init == 0.0:
             raise ValueError("retrace_gate_init must be non-zero: with W_v = 0 a zero gate gets no gradient")
-
-    @staticmethod
-    def check_prompt_lookup(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int) -> None:
-        """Raises `ValueError` on prompt-lookup settings that cannot work. Also called by the candidate generator,
-        since `generate`'s `prompt_lookup_num_tokens` and `max_matching_ngram_size` override the config's."""
-        _check_ngram_lookup("prompt_lookup", num_tokens, max_ngram_size, min_ngram_size,
-                            " (or max_matching_ngram_size passed to generate)")  # fmt: skip
-
-    @staticmethod
-    def check_datastore(num_tokens: int | None, max_ngram_size: int, min_ngram_size: int, size: int | None) -> None:
-        """Raises `ValueError` on datastore-lookup settings that cannot work. Also called by the candidate generator,
-        since the config may have changed since it was built."""
-        _check_ngram_lookup("datastore", num_tokens, max_ngram_size, min_ngram_size)
-        if num_tokens is not None and size is None:
-            raise ValueError(
-                "datastore_num_tokens is set but the drafter has no datastore (datastore_size is None): attach one "
-                "with `drafter.set_datastore(responses)` or `hf-retrace datastore`, or unset datastore_num_tokens"
-            )
 
     def _check_attention(self):
         if self.attention_bias:
@@ -225,17 +155,6 @@ class ReTraceDrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"sliding_window must be a positive int when a layer is sliding_attention, got {self.sliding_window}"
             )
-
-
-def _check_ngram_lookup(prefix: str, num_tokens: int | None, max_size: int, min_size: int, hint: str = "") -> None:
-    """The checks prompt lookup and datastore lookup share; `prefix` names their config fields."""
-    if num_tokens is not None and num_tokens < 1:
-        raise ValueError(f"{prefix}_num_tokens must be >= 1 or None (turned off), got {num_tokens}")
-    if not 1 <= min_size <= max_size:
-        raise ValueError(
-            f"{prefix.replace('_', ' ')} needs 1 <= {prefix}_min_ngram_size <= {prefix}_max_ngram_size{hint}, got min "
-            f"{min_size} and max {max_size}"
-        )
 
 
 __all__ = ["ReTraceDrafterConfig", "default_target_layer_ids", "RETRACE_MODES"]

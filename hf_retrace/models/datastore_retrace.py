@@ -1,13 +1,13 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch only, so `trust_remote_code=True` loads it.
+# Hub file: imports torch and `.datastore_file_retrace` only, so `trust_remote_code=True` loads it.
 """Datastore lookup (REST, He et al., 2024; suffix decoding, Oliaro et al., 2024, in vLLM and Arctic Inference): the
 continuation that most often followed the context in a fixed corpus of the target's own responses."""
 
 import torch
 
+from .datastore_file_retrace import SEPARATOR  # between responses: no n-gram or continuation spans two responses
 
-SEPARATOR = -1  # between responses in the flat token buffer: no n-gram or continuation spans two responses
 
 # two polynomial hashes modulo primes below 2^31, combined into one 62-bit key: every product stays below 2^49 for
 # token ids below 2^18, so the arithmetic never overflows int64 (a 1.5M-entry table collides with probability ~1e-7,

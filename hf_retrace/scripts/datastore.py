@@ -1,40 +1,73 @@
 """Attaches a datastore to a drafter: the target's own responses from token pools, for datastore lookup (REST) in
-front of the drafter (`config.datastore_num_tokens`).
+front of the drafter (`generation_config.datastore_num_tokens`).
 
     hf-retrace datastore --drafter runs/r9-card --pool data/smollm2-pool --pool data/smollm2-pool-complete \
         --num-tokens 3 --output runs/r9-datastore
 
-The responses are stored with the weights (`datastore_token_ids`, int32, ~4 bytes per token); the n-gram index is
+The responses go to `datastore.safetensors` beside the weights (uint16 for vocabularies up to 65535 tokens, ~2 bytes
+per token), the lookup settings to `generation_config.json`; `model.safetensors` and `config.json` are not rewritten
+(with `--output` another folder, they are copied byte for byte). A drafter folder of the old layout (settings in
+config.json, the datastore inside model.safetensors) is re-saved once in the new one instead. The n-gram index is
 built when the drafter first generates (~1 s per n-gram size per million tokens). `--pool DIR[:END]` uses the first
 `END` rows of a pool folder only, so rows held out for evaluation stay out.
 """
 
 import argparse
+import json
+import shutil
+from pathlib import Path
 
 from .draft_vocab import parse_pool
 
 
-def main(args: argparse.Namespace) -> None:
+def read_responses(pools: list[str]) -> list[list[int]]:
+    """The non-empty `response_ids` of the token pools `DIR[:END]`."""
     from ..data.pool import read_token_shards
-    from ..models.modeling_retrace import ReTraceDrafterModel
 
     responses = []
-    for spec in args.pool:
+    for spec in pools:
         path, end = parse_pool(spec)
         rows = read_token_shards(path)
         if end is not None and not 0 < end <= len(rows):
             raise ValueError(f"--pool {spec}: END must be in [1, {len(rows)}] ({path} has {len(rows)} rows)")
         responses += [row["response_ids"] for row in rows[:end] if row["response_ids"]]
     if not responses:
-        raise ValueError(f"--pool {args.pool}: no responses found (expected token shards under DIR/tokens/)")
-    drafter = ReTraceDrafterModel.from_pretrained(args.drafter, dtype="auto")
+        raise ValueError(f"--pool {pools}: no responses found (expected token shards under DIR/tokens/)")
+    return responses
+
+
+def attach_datastore(folder, output, responses: list[list[int]], **settings) -> None:
+    """Writes the drafter of `folder` with the datastore `responses` and the datastore `settings` (keys of the
+    drafter's `generation_config`, e.g. `datastore_num_tokens=3`) to `output` (may be `folder`).
+
+    Only `datastore.safetensors` and `generation_config.json` are written; the other files of `folder` are copied
+    unchanged when `output` is another folder. An old-layout folder is re-saved in the new layout instead.
+    """
+    from ..models.decoding_retrace import LEGACY_CONFIG_KEYS
+    from ..models.modeling_retrace import ReTraceDrafterModel
+
+    folder, output = Path(folder), Path(output)
+    drafter = ReTraceDrafterModel.from_pretrained(folder, dtype="auto")
     drafter.set_datastore(responses)
-    config = drafter.config
-    config.datastore_num_tokens = args.num_tokens
-    config.datastore_max_ngram_size, config.datastore_min_ngram_size = args.max_ngram_size, args.min_ngram_size
-    config.check_datastore(args.num_tokens, args.max_ngram_size, args.min_ngram_size, config.datastore_size)
-    drafter.save_pretrained(args.output)
-    print(f"{args.output}: datastore of {len(responses)} responses, {config.datastore_size} tokens with separators")
+    for key, value in settings.items():
+        setattr(drafter.generation_config, key, value)
+    drafter.decoding_settings()  # bad settings fail before anything is written
+    raw = json.loads((folder / "config.json").read_text())
+    if any(key in raw for key in (*LEGACY_CONFIG_KEYS, "datastore_size")):
+        drafter.save_pretrained(output)  # the old layout: model.safetensors loses the datastore once
+        return
+    if output.resolve() != folder.resolve():
+        shutil.copytree(folder, output, dirs_exist_ok=True)
+    drafter.save_pretrained_decoding_files(output)
+
+
+def main(args: argparse.Namespace) -> None:
+    responses = read_responses(args.pool)
+    settings = dict(datastore_num_tokens=args.num_tokens, datastore_max_ngram_size=args.max_ngram_size,
+                    datastore_min_ngram_size=args.min_ngram_size)  # fmt: skip
+    attach_datastore(args.drafter, args.output, responses, **settings)
+    size = sum(len(response) + 1 for response in responses)
+    print(f"{args.output}: datastore of {len(responses)} responses, {size} tokens with separators")
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -45,6 +78,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-tokens", type=int, default=3, help="candidates per datastore lookup")
     parser.add_argument("--max-ngram-size", type=int, default=6, help="longest n-gram looked up (tried first)")
     parser.add_argument("--min-ngram-size", type=int, default=3, help="shortest n-gram looked up")
-    parser.add_argument("--output", required=True, help="where to save the drafter with its datastore")
+    parser.add_argument("--output", required=True, help="where to write the drafter with its datastore (may be --drafter)")
     main(parser.parse_args(argv))
     return 0

@@ -12,7 +12,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from ..data import IGNORE_INDEX
-from ..models.generation_retrace import validate_drafter_for_target
+from ..models.hook_retrace import validate_drafter_for_target
 from ..models.modeling_retrace import ReTraceDrafterModel, ReTraceTrajectoryEncoder
 from .callbacks import BetaWarmupCallback
 from .config import ReTraceConfig
