@@ -23,6 +23,7 @@ _SUBCOMMANDS = {
     "datastore": ("hf_retrace.scripts.datastore", "cli_main", "attach pool responses to a drafter for datastore lookup"),
     "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
     "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
+    "export": ("hf_retrace.scripts.export", "cli_main", "write a drafter folder for vLLM (--format vllm)"),
 }
 USAGE_ERROR_STATUS = 2  # argparse's
 
