@@ -204,7 +204,8 @@ def main():
             start = time.perf_counter()
             run(target, tokenizer, drafter, args.max_new_tokens)  # compiles, and recompiles on new shapes
             print(f"torch.compile warm-up generations: {time.perf_counter() - start:.0f} s")
-        width = min(block_size, (drafter.generation_config.num_assistant_tokens or block_size) + 1)  # a full cycle's tokens
+        k = drafter.generation_config.num_assistant_tokens
+        width = min(block_size, (k or block_size) + 1)  # a full cycle's tokens
         verify = decode_step_ms(target, width)
         result = run(target, tokenizer, drafter, args.max_new_tokens)
         parts = result["per_cycle_ms"]

@@ -114,7 +114,7 @@ for run, name, mode in arms:
     copy = shutil.copytree(run, tempfile.mkdtemp() + "/drafter")  # the folder may be the card being rewritten
     drafter = ReTraceDrafterModel.from_pretrained(copy, dtype=torch.bfloat16)
     drafter.set_retrace_mode(mode)
-    drafter.generation_config.draft_logits_dtype = "bfloat16"  # drafts only; 7x cheaper on CPU fp32 targets, no-op for bf16
+    drafter.generation_config.draft_logits_dtype = "bfloat16"  # drafts only; 7x cheaper on CPU fp32 targets
     # repo id the folder is meant for (not uploaded from here: no Hub access); `hf-retrace publish` rewrites it
     save_for_hub(drafter, f"model_cards/{name}", repo_id=f"hf-retrace/{name}",
                  base_model="HuggingFaceTB/SmolLM2-135M-Instruct", eval_results_json="results/smollm2/results.json")

@@ -45,7 +45,8 @@ def test_a_new_source_is_one_class_plus_one_setting(monkeypatch):
         expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
         got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=drafter)
         assert got.tolist() == expected.tolist()
-        assert drafter.last_generation_stats.source_cycles["echo"] == len(drafter.last_generation_stats.acceptance_lengths)
+        stats = drafter.last_generation_stats
+        assert stats.source_cycles["echo"] == len(stats.acceptance_lengths)
     finally:
         CandidateSource.registry[:] = registry
 

@@ -1,5 +1,5 @@
-"""Datastore lookup (`generation_config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the drafter's
-datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output stays
+"""Datastore lookup (`generation_config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the
+drafter's datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output stays
 exactly the target's; `datastore.safetensors`, the file beside the weights; old checkpoints that kept the datastore in
 model.safetensors."""
 
@@ -157,7 +157,8 @@ def test_datastore_round_trips_through_its_own_file(tmp_path):
     assert "datastore_num_tokens" not in json.loads((tmp_path / "config.json").read_text())
     assert json.loads((tmp_path / "generation_config.json").read_text())["datastore_num_tokens"] == 2
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
-    assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens) and loaded.datastore_tokens.dtype == torch.int32
+    assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens)
+    assert loaded.datastore_tokens.dtype == torch.int32
     prompt = random_prompt(5, seed=1)
     expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
     got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=loaded)
@@ -243,10 +244,11 @@ def _to_old_layout(folder, drafter, datastore: bool = True) -> None:
     """Rewrites a saved drafter folder the way checkpoints were written before generation_config.json and
     datastore.safetensors: decoding settings in config.json, the datastore inside model.safetensors."""
     config = json.loads((folder / "config.json").read_text())
-    settings = {key: getattr(drafter.generation_config, key) for key in ("num_assistant_tokens", "datastore_num_tokens",
-                "datastore_max_ngram_size", "datastore_min_ngram_size", "prompt_lookup_min_ngram_size")}  # fmt: skip
-    config.update(settings, prompt_lookup_max_ngram_size=drafter.generation_config.max_matching_ngram_size,
-                  assistant_confidence_threshold=None, prompt_lookup_num_tokens=None, draft_logits_dtype=None)  # fmt: skip
+    kept = ("num_assistant_tokens", "datastore_num_tokens", "datastore_max_ngram_size", "datastore_min_ngram_size",
+            "prompt_lookup_min_ngram_size")  # fmt: skip
+    config.update({key: getattr(drafter.generation_config, key) for key in kept})
+    config.update(prompt_lookup_max_ngram_size=drafter.generation_config.max_matching_ngram_size,
+                  assistant_confidence_threshold=None, prompt_lookup_num_tokens=None, draft_logits_dtype=None)
     weights = load_file(folder / "model.safetensors")
     if datastore:
         config["datastore_size"] = len(drafter.datastore_tokens)
@@ -266,7 +268,8 @@ def test_an_old_checkpoint_with_the_datastore_in_its_weights_still_loads(tmp_pat
     assert len([w for w in caught if issubclass(w.category, FutureWarning)]) == 1
     assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens)
     settings = loaded.generation_config
-    assert (settings.num_assistant_tokens, settings.datastore_num_tokens, settings.max_matching_ngram_size) == (2, 2, 3)
+    assert settings.num_assistant_tokens == 2 and settings.datastore_num_tokens == 2
+    assert settings.max_matching_ngram_size == 3
     assert not any(key in vars(loaded.config) for key in ("datastore_size", "num_assistant_tokens"))
     assert "datastore_token_ids" not in loaded.state_dict()
     prompt = random_prompt(5, seed=1)
@@ -285,5 +288,5 @@ def test_an_old_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     weights.pop("datastore_token_ids")  # the buffer is then left uninitialised (here: the constructor's fill)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="is not a datastore: it lacks or corrupts it"):
+    with pytest.raises(ValueError, match="is not a datastore: it lacks or corrupts it"), pytest.warns(FutureWarning):
         ReTraceDrafterModel.from_pretrained(tmp_path)

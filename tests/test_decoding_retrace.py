@@ -35,7 +35,8 @@ def test_a_calls_values_override_and_its_global_defaults_do_not():
     given = resolve_decoding_settings(stored, 16, False, _call_config(num_assistant_tokens=5,
                                       assistant_confidence_threshold=0.3, max_matching_ngram_size=1))  # fmt: skip
     assert (given.num_assistant_tokens, given.assistant_confidence_threshold) == (5, 0.3)
-    assert (given.max_matching_ngram_size, given.prompt_lookup_min_ngram_size) == (1, 1)  # a smaller max lowers the min
+    # a smaller longest n-gram lowers the shortest
+    assert (given.max_matching_ngram_size, given.prompt_lookup_min_ngram_size) == (1, 1)
     assert given.prompt_lookup_num_tokens == 3  # not given: the drafter's
 
 
@@ -90,8 +91,8 @@ def test_saved_generation_config_holds_the_settings_and_config_json_none(tmp_pat
     config_json = (tmp_path / "config.json").read_text()
     assert not any(f'"{key}"' in config_json for key in (*DECODING_DEFAULTS, "prompt_lookup_max_ngram_size"))
     loaded = ReTraceDrafterModel.from_pretrained(tmp_path)
-    assert (loaded.generation_config.num_assistant_tokens, loaded.generation_config.assistant_confidence_threshold) == (
-        2, 0.25)  # fmt: skip
+    settings = loaded.generation_config
+    assert (settings.num_assistant_tokens, settings.assistant_confidence_threshold) == (2, 0.25)
     drafter.generation_config.num_assistant_tokens = 9  # more drafts than the block has: refused, nothing written
     with pytest.raises(ValueError, match="num_assistant_tokens must be in"):
         drafter.save_pretrained(tmp_path / "bad")

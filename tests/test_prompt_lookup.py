@@ -1,5 +1,5 @@
-"""Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`): cycles whose context ends in a recurring
-n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the target's."""
+"""Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`): cycles whose context ends in
+a recurring n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the target's."""
 
 import pytest
 import torch

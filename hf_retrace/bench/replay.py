@@ -104,10 +104,10 @@ def lookup_acceptance(
     min_ngram_size: int = 2,
     datastore=None,
 ) -> list[tuple[int, int] | None]:
-    """Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), at every response anchor: what
+    """Prompt lookup in front of the drafter (`prompt_lookup_num_tokens`), at every response anchor: what
     [`prompt_lookup_candidates`] proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)`
     (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts. With
-    `datastore` (an [`NgramDatastore`], `generation_config.datastore_num_tokens`), anchors prompt lookup leaves to the drafter
+    `datastore` (an [`NgramDatastore`], `datastore_num_tokens`), anchors prompt lookup leaves to the drafter
     try it first, as generation does.
 
     Args:

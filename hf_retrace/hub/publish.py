@@ -5,7 +5,7 @@ and the `custom_generate` recipe for the repo id, then uploads it with `HfApi.cr
 
 Folder layout (everything a user needs with `transformers` alone, `trust_remote_code=True`):
 
-    config.json                  the network (architecture, `retrace_mode`, ...) with `auto_map` (AutoConfig, AutoModel)
+    config.json                  the network (architecture, `retrace_mode`, ...), `auto_map` (AutoConfig, AutoModel)
     generation_config.json       the decoding settings (`num_assistant_tokens`, lookups, ...: `decoding_retrace`)
     model.safetensors            weights (or sharded `model-*.safetensors` + `model.safetensors.index.json`)
     datastore.safetensors        the datastore, when the drafter has one (`datastore_file_retrace`)
@@ -150,7 +150,8 @@ def _card_config(folder: Path) -> SimpleNamespace:
         warnings.simplefilter("ignore", FutureWarning)  # an old folder's settings move on load; loading it says so
         drafter = ReTraceDrafterModel.from_pretrained(folder)
     decoding = {key: getattr(drafter.generation_config, key) for key in DECODING_DEFAULTS}
-    names = {**drafter.config.to_dict(), **decoding, "prompt_lookup_max_ngram_size": decoding["max_matching_ngram_size"]}
+    names = {**drafter.config.to_dict(), **decoding}
+    names["prompt_lookup_max_ngram_size"] = decoding["max_matching_ngram_size"]
     return SimpleNamespace(**names, datastore_size=drafter.datastore_size)
 
 

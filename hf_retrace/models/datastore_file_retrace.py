@@ -45,7 +45,8 @@ def save_datastore_file(path, token_ids: torch.Tensor, vocab_size: int) -> None:
         stored, dtype, separator = ids.to(torch.int32), "I32", SEPARATOR
     data = _little_endian_bytes(stored)
     metadata = {"format": "pt", "separator": str(separator), "sha256": hashlib.sha256(data).hexdigest()}
-    header = {TENSOR_NAME: {"dtype": dtype, "shape": [len(ids)], "data_offsets": [0, len(data)]}, "__metadata__": metadata}
+    entry = {"dtype": dtype, "shape": [len(ids)], "data_offsets": [0, len(data)]}
+    header = {TENSOR_NAME: entry, "__metadata__": metadata}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     Path(path).write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)

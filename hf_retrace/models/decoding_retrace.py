@@ -9,12 +9,12 @@ Keys (all optional in the file; a missing key or `null` takes the value in `DECO
 | key | meaning | unset |
 |---|---|---|
 | `num_assistant_tokens` | `k`, drafts verified per block, in `[1, block_size - 1]` | all `block_size - 1` |
-| `assistant_confidence_threshold` | verify only the leading drafts whose slot's top-1 draft probability reaches it | no stop |
+| `assistant_confidence_threshold` | verify only the leading drafts whose top-1 draft probability reaches it | no stop |
 | `prompt_lookup_num_tokens` | prompt lookup in front of the drafter, at most this many candidates | off |
 | `max_matching_ngram_size`, `prompt_lookup_min_ngram_size` | n-gram sizes prompt lookup tries, longest first | 3, 2 |
 | `datastore_num_tokens` | datastore lookup behind prompt lookup (needs `datastore.safetensors`) | off |
 | `datastore_max_ngram_size`, `datastore_min_ngram_size` | n-gram sizes the datastore indexes | 6, 3 |
-| `draft_logits_dtype` | dtype of the lm-head copy that scores drafts (`"float32"`, `"bfloat16"`, `"float16"`) | the target's head |
+| `draft_logits_dtype` | dtype of the lm-head copy that scores drafts (`"float32"`, `"bfloat16"`, ...) | target's |
 
 "Unset" is `None`, never transformers' global defaults: `GenerationConfig()` leaves `num_assistant_tokens` and
 `assistant_confidence_threshold` at `None` and only `generate` fills in 20 and 0.4 (`_get_default_generation_params`)
@@ -141,7 +141,8 @@ def resolve_decoding_settings(
     values.update(given)
     values = {key: DECODING_DEFAULTS[key] if value is None else value for key, value in values.items()}
     if "max_matching_ngram_size" in given:  # a smaller longest n-gram given to `generate` lowers the shortest
-        values["prompt_lookup_min_ngram_size"] = min(values["prompt_lookup_min_ngram_size"], given["max_matching_ngram_size"])
+        shortest = values["prompt_lookup_min_ngram_size"]
+        values["prompt_lookup_min_ngram_size"] = min(shortest, given["max_matching_ngram_size"])
     _check(values, block_size, has_datastore)
     if values["num_assistant_tokens"] is None:
         values["num_assistant_tokens"] = block_size - 1
@@ -168,7 +169,8 @@ def _check(values: dict, block_size: int, has_datastore: bool) -> None:
     if t is not None and not 0.0 < t <= 1.0:
         raise ValueError(f"assistant_confidence_threshold must be in (0, 1] or None (no confidence stop), got {t}")
     if values["draft_logits_dtype"] not in DRAFT_LOGITS_DTYPES:
-        raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {values['draft_logits_dtype']!r}")
+        dtype = values["draft_logits_dtype"]
+        raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {dtype!r}")
     _check_ngram_lookup("prompt_lookup_num_tokens", values["prompt_lookup_num_tokens"], "max_matching_ngram_size",
                         values["max_matching_ngram_size"], "prompt_lookup_min_ngram_size",
                         values["prompt_lookup_min_ngram_size"])  # fmt: skip

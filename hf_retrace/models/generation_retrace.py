@@ -169,7 +169,8 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     def __init__(self, assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config,
                  logits_processor=None, settings: ReTraceDecodingSettings | None = None, **kwargs):  # fmt: skip
         settings = settings or assistant_model.decoding_settings(generation_config)
-        head = draft_lm_head(main_model_output_embeddings, settings.draft_logits_dtype, assistant_model.draft_vocab_ids)
+        vocab_ids = assistant_model.draft_vocab_ids
+        head = draft_lm_head(main_model_output_embeddings, settings.draft_logits_dtype, vocab_ids)
         super().__init__(assistant_model, main_model_input_embeddings, head, generation_config, logits_processor,
                          **kwargs)  # fmt: skip
         self.settings = settings

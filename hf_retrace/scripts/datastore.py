@@ -78,6 +78,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-tokens", type=int, default=3, help="candidates per datastore lookup")
     parser.add_argument("--max-ngram-size", type=int, default=6, help="longest n-gram looked up (tried first)")
     parser.add_argument("--min-ngram-size", type=int, default=3, help="shortest n-gram looked up")
-    parser.add_argument("--output", required=True, help="where to write the drafter with its datastore (may be --drafter)")
+    parser.add_argument("--output", required=True, help="where to write the drafter (may be --drafter)")
     main(parser.parse_args(argv))
     return 0
