@@ -12,6 +12,15 @@ import hf_retrace  # noqa: E402,F401  (installs the generate hook)
 from hf_retrace import ReTraceDrafterModel  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests are skipped without a CUDA device, whatever `-m` selects (`-m "not slow"` included)."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(skip)
+
+
 VOCAB = 128
 # Tokens the "restricted" targets can emit: a and b = -a guarantee max(logit_a, logit_b) >= 0 = every other logit,
 # so greedy never leaves {a, b, c}; c is a third direction used as an EOS that appears mid-sequence.

@@ -120,6 +120,7 @@ def test_check_exists(tmp_path):
         check_exists("owner/name", "--x", "file", repo_id_ok=False)
 
 
+@pytest.mark.slow  # fresh interpreters importing torch and trl
 @pytest.mark.parametrize(
     "command",
     [

@@ -4,6 +4,8 @@ main command)."""
 import runpy
 from pathlib import Path
 
+import pytest
+
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -22,6 +24,7 @@ def test_lazy_training_exports():
     assert hf_retrace.ReTraceConfig.__name__ == "ReTraceConfig"
 
 
+@pytest.mark.slow  # the real 135M target, four generate calls
 def test_readme_quickstart_runs_as_written(capsys, monkeypatch):
     """The README's Quickstart block, unmodified, from the repository root (offline default target): it runs, prints
     the text and tau, and every speculative `generate` it makes returns exactly what the same call without the

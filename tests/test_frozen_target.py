@@ -281,6 +281,7 @@ FSDP_RANKS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_decoder_layers_on_two_cpu_ranks(tmp_path):
     """Real FSDP2 (`fully_shard`) and FSDP1 over gloo: each rank holds half of every layer, and features, block
     embeddings and draft head equal the unsharded target's bit for bit, on the early-stop and the last-layer path."""

@@ -151,6 +151,7 @@ def test_jsonl_prompts(tmp_path):
         load_prompts(str(path))
 
 
+@pytest.mark.slow
 def test_prompt_sets_constant_matches_dispatch():
     assert PROMPT_SETS == (
         "gsm_symbolic", "codeio", "knights_knaves", "humaneval", "stdlib", "stdlib_complete", "open_ended"

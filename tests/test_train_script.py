@@ -155,6 +155,7 @@ _RECORDING_LAUNCHER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_ddp(tmp_path):
     launcher = tmp_path / "launch_recorded.py"
     launcher.write_text(_RECORDING_LAUNCHER)
