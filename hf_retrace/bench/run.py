@@ -26,7 +26,9 @@ prompts, divided by the number of cycles. For drafters a cycle is a verification
 `ar`'s token for token; any difference fails the run (exit code 1) after the results are written, naming the method,
 the prompt, the first differing index and the target's logit gap between the two tokens there. The default dtype is
 fp32: in bf16, near-tie logits (a gap of one unit in the last place) can break differently in a block verification
-and a one-token decode step, which is numerics, not a lossless bug (seen on SmolLM2-135M).
+and a one-token decode step, which is numerics, not a lossless bug (seen on SmolLM2-135M). As in
+`examples/01_generate.py`, few-row fp32 CPU linears run as skinny GEMMs (`hf_retrace.skinny_gemm`) for every method by
+default; `--no-skinny-gemm` runs stock linears, and a bf16 or GPU run skips them with a logged note.
 
 Outputs in `--output-dir`: `results.json` (`results`: one row per method x prompt set plus `pooled`), `results.md`,
 `tau.png`, `acceptance_histograms.png`. With `--baseline NAME`, also every method's tau relative to NAME's with a

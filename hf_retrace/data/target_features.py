@@ -1,5 +1,6 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""Frozen-target helpers of training: DFlash context features and block input embeddings.
+"""The frozen target's DFlash context features and block input embeddings: what the pool's feature cache stores
+(`hf_retrace.data.pool`) and what training reads (`hf_retrace.trainer.objective`).
 
 The features are exactly what inference reads (`outputs.hidden_states[k + 1]` for `k in target_layer_ids`), but the
 target forward stops after the deepest needed layer, so a drafter that reads the middle of the target costs half a
