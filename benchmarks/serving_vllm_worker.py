@@ -1,0 +1,114 @@
+"""One vLLM engine, driven by `benchmarks/serving.py` over JSON lines (runs in `.venv-vllm`; never imports hf_retrace).
+
+    .venv-vllm/bin/python benchmarks/serving_vllm_worker.py --target DIR [--speculative-config JSON] [--compile]
+
+Protocol: after the engine is up, the worker writes `{"ready": true, ...}`; then, for each request line on stdin,
+one reply line on stdout:
+
+    {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64}
+      -> {"outputs": [{"token_ids": [...], "cycles": [n, ...]}, ...], "seconds": s, "counters": {...}}
+    {"cmd": "quit"} -> {"bye": true}, then exit
+
+All prompts of one `generate` are submitted at once (concurrency = len(prompts)) and stepped to completion.
+`cycles` are the tokens each engine step committed for that request (bonus included), read from per-step output
+deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
+with no truncation at `max_new_tokens` guessed. `counters` are the deltas of vLLM's own spec-decode counters over
+the call (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without
+speculation), a cross-check of the same thing from vLLM's side. Everything vLLM prints goes to stderr: stdout
+carries only replies.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+
+
+def read_counters(engine) -> dict:
+    """Spec-decode counters summed over engines (all zero when the engine does not speculate)."""
+    values = dict.fromkeys(COUNTERS.values(), 0)
+    for metric in engine.get_metrics():
+        name = COUNTERS.get(metric.name) or COUNTERS.get(metric.name.removesuffix("_total"))
+        if name is not None:
+            values[name] += int(metric.value)
+    return values
+
+
+def generate(engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Submits every prompt at once, steps the engine until all finish; greedy, `max_new_tokens` at most each."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, output_kind=RequestOutputKind.DELTA)
+    before = read_counters(engine)
+    start = time.perf_counter()
+    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]  # outputs carry these (add_request's return
+    steps = {rid: [] for rid in ids}  # value is vLLM's internal id)
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            new = len(output.outputs[0].token_ids)
+            if new:  # a chunked-prefill step commits nothing
+                steps[output.request_id].append((new, output.outputs[0].token_ids))
+    seconds = time.perf_counter() - start
+    after = read_counters(engine)
+    outputs = []
+    for rid in ids:
+        tokens = [t for _, delta in steps[rid] for t in delta]
+        outputs.append({"token_ids": tokens, "cycles": [n for n, _ in steps[rid][1:]]})  # [0]: the prefill's token
+    return {"outputs": outputs, "seconds": seconds, "counters": {k: after[k] - before[k] for k in before}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="a save_pretrained folder vLLM can load")
+    parser.add_argument("--speculative-config", default=None, help="JSON for vLLM's speculative_config")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (default: enforce_eager)")
+    args = parser.parse_args()
+
+    reply_fd = os.dup(1)  # replies go here; vLLM's prints (and its engine process's) go to stderr
+    os.dup2(2, 1)
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=args.target,
+        dtype="float32",
+        enforce_eager=not args.compile,
+        max_model_len=args.max_model_len,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        disable_log_stats=False,  # the spec-decode counters need stats
+        seed=0,
+    )
+    import vllm
+
+    engine = llm.llm_engine
+    ready = {"ready": True, "startup_s": time.perf_counter() - start, "vllm": vllm.__version__}
+    replies.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request["cmd"] == "quit":
+            replies.write(json.dumps({"bye": True}) + "\n")
+            break
+        if request["cmd"] != "generate":
+            replies.write(json.dumps({"error": f"unknown cmd {request['cmd']!r}; expected generate or quit"}) + "\n")
+            continue
+        replies.write(json.dumps(generate(engine, request["prompts"], request["max_new_tokens"])) + "\n")
+
+
+if __name__ == "__main__":
+    main()
