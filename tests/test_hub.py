@@ -444,7 +444,7 @@ def test_publish_refuses_broken_folders(breaks, message, folder, tmp_path, capsy
     patch_hub(monkeypatch, fake)
     broken = shutil.copytree(folder, tmp_path / "broken")
     breaks(broken)
-    assert hub.publish_main([str(broken), "--repo-id", REPO_ID]) == 1
+    assert hub.publish_main([str(broken), "--repo-id", REPO_ID]) == 2
     err = capsys.readouterr().err
     assert message in err and "cannot be published" in err, err
     assert "save_for_hub" in err or "Hub files may import only" in err  # says how to fix it
@@ -485,14 +485,14 @@ def test_validate_folder_refuses_code_that_imports_hf_retrace_or_is_missing(fold
 def test_publish_refuses_bad_arguments(argv, message, folder, capsys, monkeypatch, tmp_path):
     fake = FakeHub(tmp_path / "cache")
     patch_hub(monkeypatch, fake)
-    assert hub.publish_main([str(folder), *argv]) == 1
+    assert hub.publish_main([str(folder), *argv]) == 2
     assert message in capsys.readouterr().err
     assert fake.uploads == []
 
 
 def test_publish_refuses_card_without_base_model(drafter, tmp_path, capsys):
     bare = hub.save_for_hub(drafter, tmp_path / "bare")
-    assert hub.publish_main([str(bare), "--repo-id", REPO_ID, "--dry-run"]) == 1
+    assert hub.publish_main([str(bare), "--repo-id", REPO_ID, "--dry-run"]) == 2
     assert "--base-model" in capsys.readouterr().err
 
 

@@ -276,7 +276,7 @@ def publish_main(argv: list[str]) -> int:
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as err:  # HubFolderError is a ValueError
         print(f"hf-retrace publish: error: {err}", file=sys.stderr)
-        return 1
+        return 2  # a usage error: exit status 2, as every hf-retrace subcommand (hf_retrace.cli)
     header = "Dry run, nothing uploaded. Would upload:" if args.dry_run else "Uploaded:"
     print(header + "\n" + format_plan(plan, args.repo_id, args.private))
     if info is not None:
