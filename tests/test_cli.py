@@ -75,6 +75,7 @@ def test_bench_with_a_bad_argument(capsys, tmp_path, argv, expected):
         (["build-pool", "--layer-ids", "1,x"], "--layer-ids"),
         (["build-pool", "--features-only", "--pool-dir", "/no/pool"], "--pool-dir '/no/pool': no such pool folder"),
         (["draft-vocab", "--drafter", "/no/d", "--pool", "p", "--size", "8", "--output", "o"], "--drafter '/no/d'"),
+        (["analyze", "--drafter", "/no/d:corrected"], "--drafter '/no/d': no such drafter folder"),
     ],
 )
 def test_data_commands_with_a_bad_argument(capsys, argv, expected):

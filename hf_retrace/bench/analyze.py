@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import check_exists
 from ..data.prompts import EVAL_SEED_OFFSET
 from ..models.draft_head_retrace import draft_lm_head
 from .methods import load_drafter, split_retrace_mode
@@ -204,6 +205,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    check_exists(split_retrace_mode(args.drafter)[0], "--drafter", "drafter folder")  # before the target loads
     with torch_threads(args.num_threads):
         return _run(args)
 
