@@ -68,7 +68,8 @@ def _resolve(module_name: str, path: str):
 
     obj = importlib.import_module(module_name)
     for part in path.split("."):
-        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+        # a class's own definition, not an inherited one: the plugin relies on DFlash's overrides themselves
+        obj = vars(obj)[part] if isinstance(obj, type) else getattr(obj, part)
     return obj
 
 
@@ -82,7 +83,7 @@ def check(version: str | None = None) -> None:
     for module_name, path, params in HOOKS:
         try:
             obj = _resolve(module_name, path)
-        except (ImportError, AttributeError) as err:
+        except (ImportError, AttributeError, KeyError) as err:
             _fail(version, f"{module_name}.{path} is missing ({err})")
         if path.endswith("num_lookahead_tokens"):
             if not isinstance(obj, property):

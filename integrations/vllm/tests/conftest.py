@@ -1,0 +1,134 @@
+"""Fixtures for the plugin's tests: the target, exported card folders, one vLLM engine at a time.
+
+The exported folders come from the project's own exporter, run in the project's venv by subprocess
+(`HF_RETRACE_PYTHON`, default `/work/main/.venv/bin/python -m hf_retrace.cli`), since this venv has no hf_retrace.
+"""
+
+import gc
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # without a bind vLLM computes on one core
+
+REPO = Path(__file__).resolve().parents[3]
+TARGET = Path(os.environ.get("HF_RETRACE_TARGET", "~/.cache/hf_retrace/smollm2-135m-instruct")).expanduser()
+HF_RETRACE_PYTHON = os.environ.get("HF_RETRACE_PYTHON", f"{REPO}/.venv/bin/python -m hf_retrace.cli")
+
+# Prompts with repeats (prompt lookup), common phrasing (datastore) and free text (the drafter).
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "List the planets of the solar system in order from the Sun, one per line:\n",
+    "Question: Tom has 3 apples and buys 5 more. How many apples does Tom have?\nAnswer:",
+    "Write a Python function that reverses a string, then explain how it works.\n",
+]
+MAX_TOKENS = 48
+
+# A folder keeping its datastore in model.safetensors (the layout before datastore.safetensors) is re-saved first.
+_RESAVE = (
+    "import sys; from hf_retrace.models.modeling_retrace import ReTraceDrafterModel as M; "
+    "M.from_pretrained(sys.argv[1], dtype='auto').save_pretrained(sys.argv[2])"
+)
+
+
+def _project_python() -> list[str]:
+    words = shlex.split(HF_RETRACE_PYTHON)
+    return words[: words.index("-m")] if "-m" in words else words[:1]
+
+
+def export_card(card: str, out_dir: Path) -> Path:
+    """`hf-retrace export --format vllm --drafter model_cards/<card> --output <out_dir>`."""
+    drafter = REPO / "model_cards" / card
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def run(drafter_dir):
+        command = [*shlex.split(HF_RETRACE_PYTHON), "export", "--format", "vllm", "--drafter", str(drafter_dir),
+                   "--output", str(out_dir), "--target", str(TARGET), "--overwrite"]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+
+    result = run(drafter)
+    if result.returncode and "layout before" in result.stderr:
+        resaved = out_dir.parent / f"{card}-resaved"
+        subprocess.run([*_project_python(), "-c", _RESAVE, str(drafter), str(resaved)], check=True, env=env, cwd=REPO,
+                       capture_output=True)  # fmt: skip
+        result = run(resaved)
+    if result.returncode:
+        raise RuntimeError(f"export of {card} failed:\n{result.stderr[-3000:]}")
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def target() -> str:
+    if not (TARGET / "config.json").is_file():
+        pytest.skip(f"no target at {TARGET}: make it with scripts/setup.sh and load_default_target()")
+    return str(TARGET)
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """`card -> exported folder`, made on first use."""
+    root = tmp_path_factory.mktemp("exports")
+    made = {}
+
+    def get(card: str) -> Path:
+        if card not in made:
+            made[card] = export_card(card, root / card)
+        return made[card]
+
+    return get
+
+
+def make_llm(target: str, speculative_config=None):
+    from vllm import LLM
+
+    return LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+               speculative_config=speculative_config)  # fmt: skip
+
+
+def close_llm(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(target):
+    """vLLM's own greedy output (no speculation) on PROMPTS: one engine start-up for the whole run."""
+    llm = make_llm(target)
+    try:
+        return greedy(llm)
+    finally:
+        close_llm(llm)
+
+
+def run_speculative(target: str, folder: Path, stats_file: Path, num_speculative_tokens: int = 3):
+    """Greedy outputs on PROMPTS with `folder` as the DFlash drafter, and the proposer's counters (or `None` when
+    the hf-retrace proposer did not run)."""
+    from hf_retrace_vllm import STATS_ENV
+
+    os.environ[STATS_ENV] = str(stats_file)
+    try:
+        llm = make_llm(target, {"method": "dflash", "model": str(folder),
+                                "num_speculative_tokens": num_speculative_tokens})  # fmt: skip
+        try:
+            outputs = greedy(llm)
+        finally:
+            close_llm(llm)
+    finally:
+        del os.environ[STATS_ENV]
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else None
+    return outputs, stats
