@@ -8,5 +8,6 @@ the weights and `trust_remote_code=True` loads them where hf_retrace is not inst
     datastore_retrace <- datastore_file_retrace
     candidates_retrace <- datastore_retrace, decoding_retrace
     generation_retrace <- candidates_retrace, decoding_retrace, draft_head_retrace
+    drafter_files_retrace <- datastore_file_retrace, datastore_retrace, decoding_retrace
     modeling_retrace <- all of them; importing `hook_retrace` installs the generate hook
 """

@@ -11,8 +11,8 @@ from torch import nn
 
 
 class DraftLMHead(nn.Module):
-    """A copy of the target's lm head that scores drafts only: cast to `config.draft_logits_dtype` and/or restricted
-    to the `K` rows of the reduced draft vocabulary (`draft_vocab_ids`).
+    """A copy of the target's lm head that scores drafts only: cast to `draft_logits_dtype` (a decoding setting)
+    and/or restricted to the `K` rows of the reduced draft vocabulary (`draft_vocab_ids`).
 
     Logits come back in the target head's dtype over the FULL vocabulary (`-inf` outside the draft vocabulary), so
     the candidate sampler and the speculative-sampling acceptance test read the very same draft distribution `q`,
