@@ -33,7 +33,9 @@ def _recipe(tmp_path, text: str) -> str:
 
 
 def test_train_with_a_missing_recipe(capsys, tmp_path):
-    _usage_error(["train", "--config", str(tmp_path / "missing.yaml")], capsys, "missing.yaml")
+    missing = str(tmp_path / "missing.yaml")
+    _usage_error(["train", "--config", missing], capsys, f"--config {missing!r}: no such recipe file")
+    _usage_error(["train", f"--config={missing}"], capsys, f"--config {missing!r}: no such recipe file")
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,7 @@ def test_train_with_a_bad_recipe_value(capsys, tmp_path, extra, expected):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--methods", "dflash=/no/such/dir"], "--methods dflash= '/no/such/dir': no such drafter folder"),
+        (["--methods", "dflash=/no/such/dir"], "--methods dflash=FOLDER: '/no/such/dir': no such drafter folder"),
         (["--methods", "nonsense"], "cannot parse method 'nonsense'"),
         (["--prompt-sets", "no_such_set:3"], "unknown set 'no_such_set'"),
         (["--prompt-sets", "/no/prompts.jsonl"], "no such prompt file"),

@@ -197,7 +197,7 @@ def check_args(args: argparse.Namespace) -> None:
         check_exists(args.target, "--target", "model folder")
     for spec in specs:
         if spec.kind == "drafter":
-            check_exists(spec.folder, f"--methods {spec.name}=", "drafter folder")
+            check_exists(spec.folder, f"--methods {spec.name}=FOLDER:", "drafter folder")
     for name, _ in parse_prompt_sets(args.prompt_sets):
         if name.endswith(".jsonl"):
             check_exists(name, "--prompt-sets", "prompt file", repo_id_ok=False)

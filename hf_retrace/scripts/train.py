@@ -239,6 +239,10 @@ def check_paths(script_args: ReTraceScriptArguments, training_args: ReTraceConfi
 def cli_main(argv: list[str] | None = None) -> int:
     """`hf-retrace train --config RECIPE [--field value ...]` (also what `training/train.py` runs). A missing recipe,
     an unknown or invalid field, or a missing path is a [`UsageError`] (one line, exit status 2)."""
+    args = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(args):  # the recipe: `--config PATH` or `--config=PATH`
+        if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
+            check_exists(arg.partition("=")[2] or args[i + 1], "--config", "recipe file", repo_id_ok=False)
     try:
         script_args, training_args, model_args = make_parser(prog="hf-retrace train").parse_args_and_config(argv)
     except (FileNotFoundError, ValueError) as error:  # TrlParser's and the configs' own validation
