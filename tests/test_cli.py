@@ -84,6 +84,28 @@ def test_data_commands_with_a_bad_argument(capsys, argv, expected):
     _usage_error(argv, capsys, expected)
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--drafter", "/no/d"], "--drafter '/no/d': no such drafter folder; pass an existing drafter folder"),
+        (["--drafter", "{empty}"], "no config.json there"),
+        (["--pool", "/no/pool:10"], "--pool '/no/pool': no such pool folder"),
+        (["--num-tokens", "0"], "--num-tokens (candidates per lookup) must be >= 1, got 0"),
+        (["--min-ngram-size", "4", "--max-ngram-size", "3"], "need 1 <= --min-ngram-size <= --max-ngram-size"),
+    ],
+)
+def test_datastore_with_a_bad_argument(capsys, tmp_path, extra, expected):
+    """`hf-retrace datastore` refuses a bad path or value before any pool is read or file written."""
+    drafter, pool, empty = tmp_path / "drafter", tmp_path / "pool", tmp_path / "empty"
+    for folder in (drafter, pool, empty):
+        folder.mkdir()
+    (drafter / "config.json").write_text("{}")
+    argv = ["--drafter", str(drafter), "--pool", str(pool), "--output", str(tmp_path / "out")]
+    argv += [value.format(empty=empty) for value in extra]  # the last --drafter wins; --pool appends
+    _usage_error(["datastore", *argv], capsys, expected)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only `UsageError` is reported as a usage error: any other exception of a subcommand propagates."""
 

@@ -17,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from ..cli import UsageError, check_exists, exits_on_usage_error
 from .draft_vocab import parse_pool
 
 
@@ -29,10 +30,10 @@ def read_responses(pools: list[str]) -> list[list[int]]:
         path, end = parse_pool(spec)
         rows = read_token_shards(path)
         if end is not None and not 0 < end <= len(rows):
-            raise ValueError(f"--pool {spec}: END must be in [1, {len(rows)}] ({path} has {len(rows)} rows)")
+            raise UsageError(f"--pool {spec}: END must be in [1, {len(rows)}] ({path} has {len(rows)} rows)")
         responses += [row["response_ids"] for row in rows[:end] if row["response_ids"]]
     if not responses:
-        raise ValueError(f"--pool {pools}: no responses found (expected token shards under DIR/tokens/)")
+        raise UsageError(f"--pool {pools}: no responses found (expected token shards under DIR/tokens/)")
     return responses
 
 
@@ -70,6 +71,22 @@ def main(args: argparse.Namespace) -> None:
     print(f"{args.output}: datastore of {len(responses)} responses, {size} tokens with separators")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """[`UsageError`] for a missing drafter or pool folder, or lookup sizes out of range, before any pool is read."""
+    check_exists(args.drafter, "--drafter", "drafter folder", repo_id_ok=False)
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise UsageError(f"--drafter {args.drafter!r}: no config.json there; pass a drafter folder (save_pretrained)")
+    for spec in args.pool:
+        check_exists(parse_pool(spec)[0], "--pool", "pool folder", repo_id_ok=False)
+    if args.num_tokens < 1:
+        raise UsageError(f"--num-tokens (candidates per lookup) must be >= 1, got {args.num_tokens}")
+    if not 1 <= args.min_ngram_size <= args.max_ngram_size:
+        raise UsageError(
+            f"need 1 <= --min-ngram-size <= --max-ngram-size, got {args.min_ngram_size} and {args.max_ngram_size}"
+        )
+
+
+@exits_on_usage_error("hf-retrace datastore")
 def cli_main(argv: list[str] | None = None) -> int:
     """`hf-retrace datastore --drafter DIR --pool DIR[:END] [--pool ...] --num-tokens M --output DIR`."""
     parser = argparse.ArgumentParser(prog="hf-retrace datastore", description=__doc__.split("\n\n")[0])
@@ -79,5 +96,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ngram-size", type=int, default=6, help="longest n-gram looked up (tried first)")
     parser.add_argument("--min-ngram-size", type=int, default=3, help="shortest n-gram looked up")
     parser.add_argument("--output", required=True, help="where to write the drafter (may be --drafter)")
-    main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    check_args(args)
+    main(args)
     return 0
