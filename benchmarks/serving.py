@@ -60,6 +60,7 @@ DEFAULT_TARGET = Path.home() / ".cache" / "hf_retrace" / "smollm2-135m-instruct"
 CARDS = {"dflash": "model_cards/smollm2-135m-dflash", "retrace": "model_cards/smollm2-135m-retrace"}
 GROUPS = {"pool_eval": ("gsm_symbolic", "humaneval", "open_ended"), "unseen": ("codeio", "knights_knaves")}
 REFERENCES = {"hf": "hf_ar", "vllm": "vllm_ar"}
+PROPOSER_SOURCES = ("lookup", "datastore", "draft")  # the hf-retrace plugin's proposer, cycles by source
 TAU_NOTE = (
     "tau is pooled over cycles: committed tokens (bonus included) summed over all verification cycles of all prompts, "
     "divided by the number of cycles (prefill not counted)"
@@ -267,6 +268,26 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _proposer_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: the hf-retrace plugin proposer's cycles / committed tokens by source, pooled rows only."""
+    picked = [
+        r for r in rows if r["prompts"] == "pooled" and "proposer_cycles_draft" in (r["spec_decode_counters"] or {})
+    ]
+    if not picked:
+        return []
+    lines = ["", "## hf-retrace proposer in vLLM: cycles / committed tokens by source (pooled)", "",
+             "| method | concurrency | lookup | datastore | draft | tau over these cycles |",
+             "|---|---:|---|---|---|---:|"]  # fmt: skip
+    for r in picked:
+        c = r["spec_decode_counters"]
+        cycles = [c.get(f"proposer_cycles_{s}", 0) for s in PROPOSER_SOURCES]
+        committed = [c.get(f"proposer_committed_{s}", 0) for s in PROPOSER_SOURCES]
+        cells = " | ".join(f"{n:.0f} / {m:.0f}" for n, m in zip(cycles, committed))
+        tau = sum(committed) / sum(cycles) if sum(cycles) else None
+        lines.append(f"| {r['method']} | {r['concurrency']} | {cells} | {_fmt(tau, '.3f')} |")
+    return lines
+
+
 def render_markdown(rows: list[dict], run_info: dict, failures: list[dict], skipped: list[str]) -> str:
     """The results tables (one per concurrency; groups and pooled rows, prompt sets in results.json) as markdown."""
     lines = [
@@ -303,6 +324,7 @@ def render_markdown(rows: list[dict], run_info: dict, failures: list[dict], skip
                 f"| {_fmt(r['speedup'], '.3f', 'x')} | {_fmt(r['vs_hf_ar_batch1'], '.3f', 'x')} "
                 f"| {r['num_cycles']} | {r['new_tokens']} | {lossless} |"
             )
+    lines += _proposer_lines(rows)
     if skipped:
         lines += ["", "## Skipped methods", ""] + [f"- {line}" for line in skipped]
     if failures:
@@ -329,7 +351,10 @@ class VllmWorker:
     """A `serving_vllm_worker.py` process: one engine, JSON lines in and out, stderr to a log file."""
 
     def __init__(self, target: str, speculative_config: dict | None, log_path: Path, threads_bind: str):
-        env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "HF_HUB_OFFLINE": "1"}
+        stats = log_path.with_suffix(".proposer.json")  # the hf-retrace proposer's counters (plugin methods only)
+        stats.unlink(missing_ok=True)
+        env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "HF_HUB_OFFLINE": "1",
+                            "HF_RETRACE_VLLM_STATS": str(stats)}  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         command = [str(VLLM_PYTHON), str(WORKER), "--target", target]
         if speculative_config is not None:
@@ -515,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     if hf_specs:
         hf.warmup(prompts[0].token_ids)
     methods = hf_specs + vllm_specs
-    batches, vllm_version, started = [], None, time.perf_counter()
+    batches, started = [], time.perf_counter()
+    run_info = _run_info(args, methods, configs, concurrencies)
     for r, chunk in enumerate(chunk_rounds(prompts, args.rounds)):
         for spec in rotated(methods, r):
             print(f"round {r + 1}/{args.rounds}: {spec.name} on {len(chunk)} prompts", file=sys.stderr, flush=True)
@@ -524,12 +550,13 @@ def main(argv: list[str] | None = None) -> int:
                     tokens, cycles, seconds = hf.generate(spec.name, p.token_ids, args.max_new_tokens)
                     batches.append(Batch(spec.name, "hf", 1, r, [(p.group, p.prompt_set, p.index)], [tokens],
                                          [cycles], seconds))  # fmt: skip
+                write_results(output_dir, batches, run_info, skipped)
                 continue
             log = output_dir / "logs" / f"{spec.name}-round{r}.log"
             worker = None
             try:  # a worker that fails to start or dies mid-block loses that block only (the method is skipped there)
                 worker = VllmWorker(args.target, configs[spec.name], log, args.vllm_threads_bind)
-                vllm_version = worker.info.get("vllm")
+                run_info["vllm"] = worker.info.get("vllm")
                 batches += run_vllm_block(spec, worker, chunk, concurrencies, args.max_new_tokens, r)
             except RuntimeError as error:
                 skipped.append(f"{spec.name} round {r + 1}: {error} (log {log})")
@@ -537,26 +564,37 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if worker is not None:
                     worker.close()
-    failures = check_lossless(batches)
-    rows = summarize(batches, failures)
-    import torch
-    import transformers
-
-    run_info = {
-        "target": args.target, "max_new_tokens": args.max_new_tokens, "prompts_per_set": args.num_prompts_per_set,
-        "prompt_seed": args.prompt_seed, "groups": GROUPS, "rounds": args.rounds, "concurrency": concurrencies,
-        "methods": [asdict(s) for s in methods], "speculative_configs": configs,
-        "torch_threads": args.torch_threads, "vllm_threads_bind": args.vllm_threads_bind,
-        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "vllm": vllm_version, "wall_s": time.perf_counter() - started,
-    }  # fmt: skip
-    write_outputs(output_dir, rows, batches, run_info, failures, skipped)
+            write_results(output_dir, batches, run_info, skipped)  # a killed run keeps the blocks it finished
+    run_info["wall_s"], run_info["complete"] = time.perf_counter() - started, True
+    failures, rows = write_results(output_dir, batches, run_info, skipped)
     print(render_markdown(rows, run_info, failures, skipped))
     print(f"wrote {output_dir / 'results.json'} and results.md")
     if failures:
         print("LOSSLESS CHECK FAILED:\n  " + "\n  ".join(f["message"] for f in failures), file=sys.stderr)
         return 1
     return 0
+
+
+def write_results(output_dir: Path, batches: list[Batch], run_info: dict, skipped: list[str]):
+    """Checks, summarizes and writes `results.json` / `results.md` for the batches so far; (failures, rows)."""
+    failures = check_lossless(batches)
+    rows = summarize(batches, failures)
+    write_outputs(output_dir, rows, batches, run_info, failures, skipped)
+    return failures, rows
+
+
+def _run_info(args, methods, configs, concurrencies) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "target": args.target, "max_new_tokens": args.max_new_tokens, "prompts_per_set": args.num_prompts_per_set,
+        "prompt_seed": args.prompt_seed, "groups": GROUPS, "rounds": args.rounds, "concurrency": concurrencies,
+        "methods": [asdict(s) for s in methods], "speculative_configs": configs,
+        "torch_threads": args.torch_threads, "vllm_threads_bind": args.vllm_threads_bind,
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "vllm": None, "wall_s": None, "complete": False,  # False: a run still going or killed (partial results)
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

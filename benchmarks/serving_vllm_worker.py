@@ -14,8 +14,9 @@ All prompts of one `generate` are submitted at once (concurrency = len(prompts))
 deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
 with no truncation at `max_new_tokens` guessed. `counters` are the deltas of vLLM's own spec-decode counters over
 the call (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without
-speculation), a cross-check of the same thing from vLLM's side. Everything vLLM prints goes to stderr: stdout
-carries only replies.
+speculation), a cross-check of the same thing from vLLM's side, plus, with the hf-retrace plugin's proposer, its
+cycles and committed tokens by source (`proposer_cycles_draft`, ...; from the file `HF_RETRACE_VLLM_STATS` names).
+Everything vLLM prints goes to stderr: stdout carries only replies.
 """
 
 import argparse
@@ -42,13 +43,27 @@ def read_counters(engine) -> dict:
     return values
 
 
+PROPOSER_STATS_ENV = "HF_RETRACE_VLLM_STATS"  # the hf-retrace plugin's proposer writes its counters there (JSON)
+
+
+def read_proposer_stats() -> dict:
+    """The hf-retrace proposer's cycles and committed tokens by source (`lookup`, `datastore`, `draft`), flat:
+    `{"proposer_cycles_draft": n, "proposer_committed_draft": m, ...}`; empty without the plugin's proposer."""
+    path = os.environ.get(PROPOSER_STATS_ENV)
+    if not path or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        stats = json.load(f)
+    return {f"proposer_{kind}_{source}": n for kind in ("cycles", "committed") for source, n in stats[kind].items()}
+
+
 def generate(engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """Submits every prompt at once, steps the engine until all finish; greedy, `max_new_tokens` at most each."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, output_kind=RequestOutputKind.DELTA)
-    before = read_counters(engine)
+    before = read_counters(engine) | read_proposer_stats()
     start = time.perf_counter()
     ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]  # outputs carry these (add_request's return
     steps = {rid: [] for rid in ids}  # value is vLLM's internal id)
@@ -60,12 +75,12 @@ def generate(engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
             if new:  # a chunked-prefill step commits nothing
                 steps[output.request_id].append((new, output.outputs[0].token_ids))
     seconds = time.perf_counter() - start
-    after = read_counters(engine)
+    after = read_counters(engine) | read_proposer_stats()
     outputs = []
     for rid in ids:
         tokens = [t for _, delta in steps[rid] for t in delta]
         outputs.append({"token_ids": tokens, "cycles": [n for n, _ in steps[rid][1:]]})  # [0]: the prefill's token
-    return {"outputs": outputs, "seconds": seconds, "counters": {k: after[k] - before[k] for k in before}}
+    return {"outputs": outputs, "seconds": seconds, "counters": {k: v - before.get(k, 0) for k, v in after.items()}}
 
 
 def main() -> None:

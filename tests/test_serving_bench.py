@@ -107,3 +107,19 @@ def test_markdown_tables_per_concurrency():
     assert "| vllm_ngram | pooled | 2 | 1.500 | 1.500 | 5.00 | 2.000x |" in md
     assert "| vllm_ngram | unseen |" in md and "| **NO** |" in md and "| vllm_ngram | codeio |" not in md
     assert "- vllm_dflash: why" in md and "## LOSSLESS CHECK FAILED" in md
+
+
+def test_proposer_cycles_by_source_are_split_by_share_and_tabled():
+    keys = [("pool_eval", "gsm_symbolic", 0), ("unseen", "codeio", 0)]
+    counters = {"proposer_cycles_lookup": 2, "proposer_committed_lookup": 6, "proposer_cycles_datastore": 0,
+                "proposer_committed_datastore": 0, "proposer_cycles_draft": 4, "proposer_committed_draft": 6}  # fmt: skip
+    batches = [
+        Batch("vllm_ar", "vllm", 2, 0, keys, [[5, 6], [8, 9]], [[1], [1]], 2.0),
+        Batch("vllm_dflash", "vllm", 2, 0, keys, [[5, 6], [8, 9]], [[1], [1]], 1.0, counters),
+    ]
+    rows = serving.summarize(batches, serving.check_lossless(batches))
+    pool = next(r for r in rows if r["method"] == "vllm_dflash" and r["prompts"] == "pool_eval")
+    assert pool["spec_decode_counters"]["proposer_cycles_draft"] == pytest.approx(2)  # half of the batch's requests
+    lines = serving._proposer_lines(rows)
+    assert "| vllm_dflash | 2 | 2 / 6 | 0 / 0 | 4 / 6 | 2.000 |" in lines
+    assert serving._proposer_lines(rows[:1]) == []
