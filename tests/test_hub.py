@@ -354,7 +354,9 @@ def test_card_metadata_and_eval_table(folder):
 
 
 def test_card_metadata_problems_are_reported(drafter):
-    card = model_card.render_model_card(drafter.config, repo_id=REPO_ID, base_model="./local/target", license=None)
+    card = model_card.render_model_card(
+        drafter.config, drafter.decoding_settings(), repo_id=REPO_ID, base_model="./local/target", license=None
+    )
     problems = " ".join(model_card.check_card_metadata(card))
     assert "base_model must be a Hub model id" in problems and "license is missing" in problems
 

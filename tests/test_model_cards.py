@@ -15,7 +15,7 @@ from hf_retrace import ReTraceDrafterModel
 from hf_retrace.models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file
 from hf_retrace.models.decoding_retrace import DECODING_DEFAULTS, LEGACY_CONFIG_KEYS
 from hf_retrace.data.assets import load_default_target
-from hf_retrace.hub.publish import code_files, publish
+from hf_retrace.hub.publish import code_files, publish, render_hub_files
 from hf_retrace.hub.validation import CODE_FILES, CUSTOM_GENERATE_FILE, validate_folder
 
 
@@ -65,6 +65,14 @@ def test_shipped_folder_holds_only_what_is_unique_and_publishes(folder):
     validate_folder(folder, code_files("hf-retrace/" + folder.name))
     plan, info = publish(folder, "hf-retrace/" + folder.name, dry_run=True)
     assert info is None and {*CODE_FILES, CUSTOM_GENERATE_FILE, *UNIQUE} <= {path for path, _ in plan}
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
+def test_shipped_card_is_the_current_template(folder):
+    """The card is what `publish` renders now (mode, decoding settings, datastore file): re-render it with
+    `render_hub_files` after a template change, writing README.md only."""
+    rendered = render_hub_files(folder, "hf-retrace/" + folder.name, {})["README.md"].decode()
+    assert (folder / "README.md").read_text() == rendered
 
 
 @pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)

@@ -287,11 +287,15 @@ def test_save_writes_a_model_card_with_the_trainer_tags(dflash_dir, target, data
     assert set(CARD_TAGS) | set(ReTraceTrainer._tag_names) <= set(card.data.tags)
     assert card.data.base_model is None  # the tiny target has no Hub id
     assert f'"{dflash_dir.name}"' in card.text  # the usage snippet names the folder (no hub_model_id)
-    trainer = ReTraceTrainer(model=fresh_drafter(target), target=target, train_dataset=dataset, data_collator=collate,
+    drafter = fresh_drafter(target)
+    drafter.generation_config.update(num_assistant_tokens=2, prompt_lookup_num_tokens=5)
+    trainer = ReTraceTrainer(model=drafter, target=target, train_dataset=dataset, data_collator=collate,
                              args=make_args(tmp_path, hub_model_id="org/my-drafter", max_steps=1))  # fmt: skip
     trainer.create_model_card(tags=["extra"])
     card = ModelCard.load(tmp_path / "README.md")
     assert "extra" in card.data.tags and '"org/my-drafter"' in card.text
+    # the decoding settings are the drafter's generation_config, not defaults
+    assert "the drafter still drafts its whole block) | 2 |" in card.text and "skips that cycle) | 5 |" in card.text
     assert set(ReTraceTrainer._tag_names) <= set(trainer.model.model_tags)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..models.decoding_retrace import ReTraceDecodingSettings
 from .validation import is_repo_id
 
 
@@ -70,15 +71,26 @@ def eval_table(eval_data: dict) -> str:
 
 
 def render_model_card(
-    config, *, repo_id: str, base_model=None, license="apache-2.0", datasets=None, eval_data=None,
-    num_parameters=None, template_path=None, tags=None,
+    config, decoding: ReTraceDecodingSettings, *, repo_id: str, datastore_size=None, base_model=None,
+    license="apache-2.0", datasets=None, eval_data=None, num_parameters=None, template_path=None, tags=None,
 ) -> ModelCard:  # fmt: skip
-    """Renders `hf_retrace/hub/templates/model_card.md` (or `template_path`) for a drafter `config` published as `repo_id`.
+    """Renders `hf_retrace/hub/templates/model_card.md` (or `template_path`) for a drafter published as `repo_id`.
+
+    Args:
+        config ([`ReTraceDrafterConfig`]): the network (`drafter.config`).
+        decoding ([`ReTraceDecodingSettings`]): the decoding settings (`drafter.decoding_settings()`): config.json
+            no longer carries them, so a card rendered from the config alone would state the defaults.
+        datastore_size (`int`, *optional*): tokens in the drafter's datastore (`drafter.datastore_size`).
 
     Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (the target), `license`,
     `tags` [`CARD_TAGS`] then `tags` (e.g. the trainer's), `datasets`. The usage snippet loads `repo_id` and
     `base_model`.
     """
+    if not isinstance(decoding, ReTraceDecodingSettings):
+        raise TypeError(
+            f"decoding must be the drafter's ReTraceDecodingSettings (`drafter.decoding_settings()`), got "
+            f"{type(decoding).__name__}"
+        )
     template = Path(template_path or DEFAULT_TEMPLATE_PATH)
     if not template.is_file():
         raise FileNotFoundError(
@@ -94,6 +106,8 @@ def render_model_card(
         data,
         template_path=str(template),
         config=config,
+        decoding=decoding,
+        datastore_size=datastore_size,
         repo_id=repo_id,
         model_name=repo_id.rstrip("/").split("/")[-1],
         base_model=base_model,

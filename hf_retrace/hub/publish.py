@@ -42,12 +42,10 @@ import tempfile
 import warnings
 from importlib import resources
 from pathlib import Path
-from types import SimpleNamespace
 
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-from ..models.decoding_retrace import DECODING_DEFAULTS
 from ..models.modeling_retrace import ReTraceDrafterModel
 from .validation import (
     CODE_FILES,
@@ -119,8 +117,11 @@ def render_hub_files(folder, repo_id: str, card_meta: dict, eval_results_json=No
     if eval_data is not None:
         files[EVAL_FILE] = (json.dumps(eval_data, indent=2, ensure_ascii=False) + "\n").encode()
     meta = {**_current_card_meta(folder), **{k: v for k, v in card_meta.items() if v is not None}}
-    config, num_parameters = _card_config(folder), _num_parameters(folder)
-    card = render_model_card(config, repo_id=repo_id, eval_data=eval_data, num_parameters=num_parameters, **meta)
+    drafter = _load_drafter(folder)
+    card = render_model_card(
+        drafter.config, drafter.decoding_settings(), repo_id=repo_id, datastore_size=drafter.datastore_size,
+        eval_data=eval_data, num_parameters=_num_parameters(folder), **meta,
+    )  # fmt: skip
     files["README.md"] = str(card).encode()
     return files
 
@@ -143,16 +144,11 @@ def render_custom_generate(drafter_source: str) -> str:
     return source
 
 
-def _card_config(folder: Path) -> SimpleNamespace:
-    """What the card template reads as `config`: the network config and the drafter's decoding settings as it loads
-    them (the template's names `prompt_lookup_max_ngram_size` and `datastore_size` included)."""
+def _load_drafter(folder: Path) -> ReTraceDrafterModel:
+    """The drafter of `folder` as the card describes it: network, decoding settings and datastore as it loads them."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # an old folder's settings move on load; loading it says so
-        drafter = ReTraceDrafterModel.from_pretrained(folder)
-    decoding = {key: getattr(drafter.generation_config, key) for key in DECODING_DEFAULTS}
-    names = {**drafter.config.to_dict(), **decoding}
-    names["prompt_lookup_max_ngram_size"] = decoding["max_matching_ngram_size"]
-    return SimpleNamespace(**names, datastore_size=drafter.datastore_size)
+        return ReTraceDrafterModel.from_pretrained(folder)
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:

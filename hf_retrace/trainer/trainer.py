@@ -213,7 +213,8 @@ class ReTraceTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         drafter = _base_drafter(self.accelerator.unwrap_model(self.model))
         card = render_model_card(
-            drafter.config, repo_id=self.args.hub_model_id or model_name or Path(output_dir).name,
+            drafter.config, drafter.decoding_settings(), datastore_size=drafter.datastore_size,
+            repo_id=self.args.hub_model_id or model_name or Path(output_dir).name,
             base_model=_hub_id_of_target(self.target.name_or_path),
             num_parameters=drafter.num_parameters(), tags=[*self._tag_names, *(tags or [])],
         )  # fmt: skip
