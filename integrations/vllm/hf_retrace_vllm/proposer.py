@@ -261,8 +261,9 @@ class ReTraceDFlashProposer(DFlashProposer):
         for row, i in enumerate(order):
             count = min(drafting[i], keep[row])
             proposals[i] = drafts[row][:count]
-            if count == 0:
+            if count == 0:  # no confident draft: the next step commits 1 token, and counts as this drafter cycle
                 self.pending.pop(req_ids[i], None)
+                self.stats.record("draft", 1)  # as the transformers side counts it
                 continue
             pending = self.pending[req_ids[i]]
             pending.num_proposed = count
