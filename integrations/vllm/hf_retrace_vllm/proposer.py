@@ -50,6 +50,12 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.runner = runner
         self.policy = DraftPolicy.from_hf_config(self.draft_model_config.hf_config)
         self.max_verified = self.speculative_config.num_speculative_tokens  # K
+        if self.speculative_config.disable_padded_drafter_batch:
+            raise ValueError(
+                "hf-retrace drafters need vLLM's padded drafter batch (it keeps the target's features of rejected "
+                "drafts, which ReTrace and the bookkeeping read): drop disable_padded_drafter_batch from "
+                "speculative_config"
+            )
         self.block_drafts = self.policy.block_size - 1
         if self.max_verified > self.block_drafts:
             raise ValueError(
