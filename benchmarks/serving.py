@@ -30,8 +30,9 @@ method on its chunk, in an order rotated by one per round (ABC BCA ...), at ever
 shared machine lands on all methods alike. An idle vLLM engine costs no CPU here (top: under 2%), but holds ~3.7 GB,
 so only one engine lives at a time: each vLLM block starts its engine (start-up and a warmup excluded from timing)
 and ends it. transformers is batch-1 only: at concurrency above 1 it is left out (its batch-1 rows stand).
-vLLM at concurrency C submits C prompts at once and steps the engine until all are done; tokens/s = new tokens of
-all requests / wall time of the batches.
+vLLM at concurrency C submits C prompts of one group at once and steps the engine until all are done; tokens/s =
+new tokens of all requests / wall time of the batches (a prompt set's row within a batch mixing sets: its requests'
+share of the batch's time).
 
 tau is pooled over cycles: committed tokens (bonus included) summed over every verification cycle of every prompt,
 divided by the number of cycles, the prefill not counted. transformers: the drafter's `last_generation_stats` (every
@@ -162,6 +163,16 @@ def chunk_rounds(prompts: list[Prompt], rounds: int) -> list[list[Prompt]]:
     return [prompts[r::rounds] for r in range(rounds)]
 
 
+def concurrent_batches(chunk: list[Prompt], concurrency: int) -> list[list[Prompt]]:
+    """The chunk's prompts in batches of `concurrency` submitted at once, each batch of one group only, so a group's
+    rows time its own requests (a batch's wall time cannot be split among groups)."""
+    batches = []
+    for group in dict.fromkeys(p.group for p in chunk):
+        prompts = [p for p in chunk if p.group == group]
+        batches += [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    return batches
+
+
 def rotated(items: list, k: int) -> list:
     k %= max(len(items), 1)
     return items[k:] + items[:k]
@@ -215,7 +226,8 @@ def _row(method: str, engine: str, concurrency: int, label: str, batches: list[B
         num_prompts += len(picked)
         tokens += sum(len(b.outputs[i]) for i in picked)
         cycles += [n for i in picked for n in b.cycles[i]]
-        # a batch's wall time is shared by its requests: the part of the row's requests in it
+        # batches hold one group (`concurrent_batches`); a prompt-set row of a batch that mixes sets gets the share
+        # of the batch's wall time (and counters) of its requests
         seconds += b.seconds * len(picked) / len(b.prompts)
         for k, v in b.counters.items():
             counters[k] = counters.get(k, 0) + v * len(picked) / len(b.prompts)
@@ -480,8 +492,7 @@ def run_vllm_block(spec, worker, chunk, concurrencies, max_new_tokens, round_ind
     batches = []
     worker.generate([chunk[0].token_ids], 16)  # warmup, untimed
     for c in concurrencies:
-        for start in range(0, len(chunk), c):
-            group = chunk[start : start + c]
+        for group in concurrent_batches(chunk, c):
             reply = worker.generate([p.token_ids for p in group], max_new_tokens)
             batches.append(Batch(spec.name, "vllm", c, round_index, [(p.group, p.prompt_set, p.index) for p in group],
                                  [o["token_ids"] for o in reply["outputs"]], [o["cycles"] for o in reply["outputs"]],

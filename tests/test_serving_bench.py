@@ -55,6 +55,16 @@ def test_rounds_mix_every_set_and_rotate_methods():
     assert serving.rotated(["A", "B", "C"], 3) == ["A", "B", "C"]
 
 
+def test_concurrent_batches_keep_groups_apart():
+    sizes = (("pool_eval", "a", 5), ("unseen", "b", 3))
+    chunk = [serving.Prompt(group, name, i, [i]) for group, name, n in sizes for i in range(n)]
+    batches = serving.concurrent_batches(chunk, 4)
+    assert [[(p.prompt_set, p.index) for p in b] for b in batches] == [
+        [("a", 0), ("a", 1), ("a", 2), ("a", 3)], [("a", 4)], [("b", 0), ("b", 1), ("b", 2)]
+    ]
+    assert len(serving.concurrent_batches(chunk, 1)) == 8
+
+
 def _batches():
     """vLLM at concurrency 2 on two prompts of two groups, the target alone and a method that differs on one."""
     keys = [("pool_eval", "gsm_symbolic", 0), ("unseen", "codeio", 0)]
@@ -112,7 +122,8 @@ def test_markdown_tables_per_concurrency():
 def test_proposer_cycles_by_source_are_split_by_share_and_tabled():
     keys = [("pool_eval", "gsm_symbolic", 0), ("unseen", "codeio", 0)]
     counters = {"proposer_cycles_lookup": 2, "proposer_committed_lookup": 6, "proposer_cycles_datastore": 0,
-                "proposer_committed_datastore": 0, "proposer_cycles_draft": 4, "proposer_committed_draft": 6}  # fmt: skip
+                "proposer_committed_datastore": 0, "proposer_cycles_draft": 4,
+                "proposer_committed_draft": 6}  # fmt: skip
     batches = [
         Batch("vllm_ar", "vllm", 2, 0, keys, [[5, 6], [8, 9]], [[1], [1]], 2.0),
         Batch("vllm_dflash", "vllm", 2, 0, keys, [[5, 6], [8, 9]], [[1], [1]], 1.0, counters),
