@@ -1,7 +1,7 @@
 """Datastore lookup (`generation_config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the
-drafter's datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output stays
-exactly the target's; `datastore.safetensors`, the file beside the weights; old checkpoints that kept the datastore in
-model.safetensors."""
+drafter's datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output
+stays exactly the target's; `datastore.safetensors`, the file beside the weights; old checkpoints that kept the
+datastore in model.safetensors."""
 
 import collections
 import json
@@ -236,8 +236,11 @@ def test_datastore_command_writes_only_the_datastore_and_settings(tmp_path, caps
     assert cli_main(argv + ["--num-tokens", "3", "--output", str(tmp_path / "drafter")]) == 0  # in place
     assert (tmp_path / "drafter" / "model.safetensors").stat().st_mtime_ns == before
     assert ReTraceDrafterModel.from_pretrained(tmp_path / "drafter").generation_config.datastore_num_tokens == 3
-    with pytest.raises(ValueError, match="END must be in"):
-        cli_main(argv[:4] + [f"{tmp_path / 'pool'}:9", "--output", str(tmp_path / "bad")])
+    capsys.readouterr()  # the loads' progress bars
+    assert cli_main(argv[:4] + [f"{tmp_path / 'pool'}:9", "--output", str(tmp_path / "bad")]) == 2  # a usage error
+    err = capsys.readouterr().err
+    assert err.startswith("hf-retrace datastore: error: --pool ") and "END must be in [1, 4]" in err
+    assert err.count("\n") == 1 and not (tmp_path / "bad").exists()
 
 
 def _to_old_layout(folder, drafter, datastore: bool = True) -> None:
