@@ -568,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             try:  # a worker that fails to start or dies mid-block loses that block only (the method is skipped there)
                 worker = VllmWorker(args.target, configs[spec.name], log, args.vllm_threads_bind)
                 run_info["vllm"] = worker.info.get("vllm")
+                run_info["vllm_startup_s"].append([spec.name, r + 1, round(worker.info.get("startup_s", 0.0), 1)])
                 batches += run_vllm_block(spec, worker, chunk, concurrencies, args.max_new_tokens, r)
             except RuntimeError as error:
                 skipped.append(f"{spec.name} round {r + 1}: {error} (log {log})")
@@ -604,7 +605,8 @@ def _run_info(args, methods, configs, concurrencies) -> dict:
         "methods": [asdict(s) for s in methods], "speculative_configs": configs,
         "torch_threads": args.torch_threads, "vllm_threads_bind": args.vllm_threads_bind,
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "vllm": None, "wall_s": None, "complete": False,  # False: a run still going or killed (partial results)
+        "vllm": None, "vllm_startup_s": [], "wall_s": None,
+        "complete": False,  # until the run ends: a run still going, or killed, leaves partial results
     }  # fmt: skip
 
 
