@@ -194,6 +194,11 @@ def test_datastore_is_copied_byte_for_byte(tmp_path, target):
     assert (out / DATASTORE_FILE).read_bytes() == (tmp_path / "drafter" / DATASTORE_FILE).read_bytes()
     assert config["hf_retrace"]["datastore_file"] == DATASTORE_FILE
     assert config["hf_retrace"]["datastore_num_tokens"] == 2
+    # vLLM loads weights only from the files the index names, never from the datastore file
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == {"model.safetensors"}
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert sorted(weight_map) == sorted(weights.keys())
 
     drafter.set_datastore(None)  # a re-export without one into the same folder leaves no stale file behind
     drafter.save_pretrained(tmp_path / "drafter")

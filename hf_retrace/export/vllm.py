@@ -7,7 +7,7 @@ from vllm import LLM
 
 llm = LLM(
     model=TARGET_DIR,  # the target the drafter was trained for (`--target`, default SmolLM2-135M-Instruct)
-    speculative_config={"method": "dflash", "model": "/tmp/retrace-vllm", "num_speculative_tokens": 15},
+    speculative_config={"method": "dflash", "model": "/tmp/retrace-vllm", "num_speculative_tokens": 3},
 )
 ```
 
@@ -22,6 +22,9 @@ What the folder holds:
   `anchor_broadcast.weight`; the ReTrace modules `retrace.*` when retrace_mode is not off.
 - `datastore.safetensors`: the drafter's, copied byte for byte (written, for a drafter saved when the datastore was
   kept inside model.safetensors).
+- `model.safetensors.index.json`: names `model.safetensors` as the file of every weight. vLLM's loader reads every
+  `*.safetensors` in a local folder unless an index says which hold weights, and would fail on the datastore's
+  `token_ids` ("no module or parameter named 'token_ids'") in a plain `DFlashDraftModel` folder.
 """
 
 import json
@@ -258,6 +261,7 @@ def export_for_vllm(
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_datastore(drafter, drafter_dir, output_dir)
     save_file(tensors, output_dir / "model.safetensors", metadata={"format": "pt"})
+    _write_weight_index(tensors, output_dir)
     (output_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     logger.info(f"{output_dir}: {config['architectures'][0]}, {len(tensors)} tensors")
     return output_dir
@@ -298,6 +302,13 @@ def _write_datastore(drafter, drafter_dir: Path, output_dir: Path) -> None:
         save_datastore_file(destination, drafter.datastore_tokens, drafter.config.vocab_size)
     elif destination.exists():  # left by an earlier export into this folder (`overwrite`)
         destination.unlink()
+
+
+def _write_weight_index(tensors: dict, output_dir: Path) -> None:
+    """`model.safetensors.index.json`, so vLLM loads weights from `model.safetensors` only (not the datastore)."""
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": size}, "weight_map": {name: "model.safetensors" for name in sorted(tensors)}}
+    (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _drop_inert_retrace(drafter) -> None:
