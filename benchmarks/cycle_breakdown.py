@@ -159,8 +159,10 @@ def main():
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="time a reduced draft vocabulary: the K most frequent tokens of --pool")  # fmt: skip
     parser.add_argument("--pool", default="data/smollm2-pool")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the drafter's forward (dynamic shapes; two warm-up generations first)")  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the drafter's forward (dynamic shapes; two warm-up generations first)",
+    )  # fmt: skip
     parser.add_argument("--skinny-gemm", action="store_true", help="few-row linears as a transposed GEMM")
     parser.add_argument("--num-assistant-tokens", type=int, default=None, help="verify only the first k drafts")
     parser.add_argument("--confidence-threshold", type=float, default=None, help="stop drafts below this probability")

@@ -37,7 +37,8 @@ def timed_generate(target, inputs, **kwargs):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default=str(SHIPPED), help="drafter folder; a fresh one if it does not exist")
-    parser.add_argument("--prompt", default="Natalia sold 48 clips in April and half as many in May. How many clips did she sell in total?")
+    question = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell in total?"
+    parser.add_argument("--prompt", default=question)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each; medians compared")
     parser.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,

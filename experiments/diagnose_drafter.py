@@ -42,7 +42,8 @@ def slot_accuracy(drafter, target, tokenizer, data, num_rows: int = 8, num_ancho
     rows = tokenize_conversations(data.select(range(num_rows)), tokenizer, 768)
     batch = DataCollatorForReTrace(pad_token_id=tokenizer.pad_token_id or 0)([rows[i] for i in range(num_rows)])
     ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    feats = compute_target_features(target, ids, drafter.config.target_layer_ids, mask, token_positions(mask, ids.shape))
+    positions = token_positions(mask, ids.shape)
+    feats = compute_target_features(target, ids, drafter.config.target_layer_ids, mask, positions)
     anchors, valid = sample_anchor_positions(loss_mask, num_anchors, torch.Generator().manual_seed(0))
     labels = block_labels(ids, loss_mask, anchors, valid, drafter.config.block_size)
     drafts = target.get_output_embeddings()(draft_blocks(drafter, target, ids, feats, anchors, valid, mask)).argmax(-1)
@@ -77,7 +78,8 @@ def sensitivity(drafter, target, tokenizer, noise, feats):
     other[0, 0] = tokenizer(" May").input_ids[0]
     anchor = (slot1_logits(drafter, target, other, feats) - base).abs().mean()
     context = (slot1_logits(drafter, target, noise, feats * 0) - base).abs().mean()
-    print(f"  mean |dlogit|: anchor changed {anchor:.3f}, context zeroed {context:.3f}; mean |logit| {base.abs().mean():.3f}")
+    print(f"  mean |dlogit|: anchor changed {anchor:.3f}, context zeroed {context:.3f}; "
+          f"mean |logit| {base.abs().mean():.3f}")
 
 
 @torch.no_grad()
@@ -97,7 +99,8 @@ def attention_mass(drafter, target, noise, feats):
         k = k.repeat_interleave(attn.num_key_value_groups, dim=1)
         weights = (q @ k.transpose(-1, -2) * attn.scaling).softmax(-1)[0, :, 1]  # [heads, T+B]: slot 1's row
         print(f"  layer {i}: slot-1 attention on block rows {weights[:, T:].sum(-1).mean():.3f}, on the anchor "
-              f"{weights[:, T].mean():.4f}, on the last context position {weights[:, T - 1].mean():.3f} (T={T})")  # fmt: skip
+              f"{weights[:, T].mean():.4f}, on the last context position {weights[:, T - 1].mean():.3f} "
+              f"(T={T})")  # fmt: skip
         hidden = layer(hidden, context, rope)
 
 

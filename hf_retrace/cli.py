@@ -18,11 +18,11 @@ _SUBCOMMANDS = {
     "train": ("hf_retrace.scripts.train", "cli_main", "train a DFlash/ReTrace drafter from a recipe (--config)"),
     "generate-data": ("hf_retrace.scripts.generate_data", "cli_main", "regenerate training responses with the target"),
     "build-pool": ("hf_retrace.scripts.build_pool", "cli_main", "build the token pool and target-feature cache"),
-    "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless check)"),
+    "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless)"),
     "draft-vocab": ("hf_retrace.scripts.draft_vocab", "cli_main", "re-rank a drafter's draft vocabulary on pools"),
-    "datastore": ("hf_retrace.scripts.datastore", "cli_main", "attach pool responses to a drafter for datastore lookup"),
+    "datastore": ("hf_retrace.scripts.datastore", "cli_main", "attach pool responses to a drafter (datastore lookup)"),
     "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
-    "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload to the Hub"),
+    "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload it"),
     "export": ("hf_retrace.scripts.export", "cli_main", "write a drafter folder for vLLM (--format vllm)"),
 }
 USAGE_ERROR_STATUS = 2  # argparse's

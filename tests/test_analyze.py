@@ -159,9 +159,9 @@ def test_recorder_sees_what_the_generator_drafted(tiny):
 
 
 def test_recorder_scores_with_the_generators_draft_head(tiny, monkeypatch):
-    """With `draft_logits_dtype` the generator drafts with a cast copy of the lm head; the analysis must score with that
-    same head. Made unmistakable here: the copy's logits are rolled by one token id, so the target head's argmax would
-    name other drafts and the alignment cross-check would fail."""
+    """With `draft_logits_dtype` the generator drafts with a cast copy of the lm head; the analysis must score with
+    that same head. Made unmistakable here: the copy's logits are rolled by one token id, so the target head's argmax
+    would name other drafts and the alignment cross-check would fail."""
     _, target = tiny
     drafter = make_drafter(target, block_size=4, mode="corrected")
     drafter.generation_config.draft_logits_dtype = "bfloat16"

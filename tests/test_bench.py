@@ -81,8 +81,10 @@ def bench_run(assets):
 
 def test_draft_logits_dtype_override(assets):
     folder = str(assets / "drafter")
-    assert methods.load_drafter(folder, None, torch.float32, "cpu", "bfloat16").generation_config.draft_logits_dtype == "bfloat16"
-    assert methods.load_drafter(folder, None, torch.float32, "cpu", "target").generation_config.draft_logits_dtype is None
+    loaded = methods.load_drafter(folder, None, torch.float32, "cpu", "bfloat16")
+    assert loaded.generation_config.draft_logits_dtype == "bfloat16"
+    loaded = methods.load_drafter(folder, None, torch.float32, "cpu", "target")
+    assert loaded.generation_config.draft_logits_dtype is None
 
 
 def test_parse_methods():
@@ -163,7 +165,8 @@ def test_unknown_baseline_fails_before_running(assets, capsys):
             "--prompt-sets", f"{assets / 'ids.jsonl'}:1", "--output-dir", str(assets / "never")]  # fmt: skip
     assert bench.main(argv) == 2  # a usage error: one line, no traceback
     err = capsys.readouterr().err
-    assert err.startswith("hf-retrace bench: error: --baseline 'nope' is not one of --methods") and err.count("\n") == 1
+    assert err.startswith("hf-retrace bench: error: --baseline 'nope' is not one of --methods")
+    assert err.count("\n") == 1
     assert not (assets / "never").exists()
 
 

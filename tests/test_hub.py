@@ -1,4 +1,5 @@
-"""hf_retrace.hub.publish: the Hub folder, its card, `hf-retrace publish`, and loading it where hf_retrace is not installed.
+"""hf_retrace.hub.publish: the Hub folder, its card, `hf-retrace publish`, and loading it where hf_retrace is not
+installed.
 
 Everything is offline. "The Hub" is a fake `HF_HUB_CACHE` that the mocked `HfApi.upload_folder` fills with exactly the
 files it was asked to upload; the target is published there too, so the card's snippet runs unmodified.

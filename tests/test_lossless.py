@@ -215,8 +215,8 @@ def test_bf16_draft_logits_score_drafts_only_and_stay_lossless():
 
 @pytest.mark.slow
 def test_wrapped_drafters_pick_the_retrace_generator_and_stay_lossless():
-    """`assistant_model=torch.compile(drafter)` and a PEFT-wrapped drafter: the generator class comes from the drafter's
-    class hierarchy, not the wrapper's module (`torch._dynamo`, `peft`)."""
+    """`assistant_model=torch.compile(drafter)` and a PEFT-wrapped drafter: the generator class comes from the
+    drafter's class hierarchy, not the wrapper's module (`torch._dynamo`, `peft`)."""
     from peft import LoraConfig, get_peft_model
 
     target = make_target("qwen3")

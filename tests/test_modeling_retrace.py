@@ -239,9 +239,10 @@ def test_round_trip_with_remote_code_in_a_fresh_process(tmp_path, tiny_target, t
     assert result.returncode == 0, result.stderr[-3000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])
     assert remote["class"].startswith("transformers_modules")
-    local = tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=25, assistant_model=tiny_drafter)
+    greedy = dict(do_sample=False, max_new_tokens=25)
+    local = tiny_target.generate(torch.tensor([prompt]), **greedy, assistant_model=tiny_drafter)
     assert remote["tokens"] == local[0].tolist()
-    assert remote["tokens"] == tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=25)[0].tolist()
+    assert remote["tokens"] == tiny_target.generate(torch.tensor([prompt]), **greedy)[0].tolist()
     assert remote["cycles"] == len(tiny_drafter.last_generation_stats.acceptance_lengths)
 
 

@@ -12,7 +12,12 @@ from hf_retrace.bench.replay import (
 
 @pytest.mark.parametrize(
     "anchor_broadcast, vocab, num_assistant_tokens, threshold",
-    [(False, None, None, None), (True, [5, 6, 7, 9, 11], None, None), (False, None, 2, None), (False, None, None, 0.5)],
+    [
+        (False, None, None, None),
+        (True, [5, 6, 7, 9, 11], None, None),
+        (False, None, 2, None),
+        (False, None, None, 0.5),
+    ],
 )
 def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_assistant_tokens, threshold):
     target = make_target("qwen3")

@@ -141,7 +141,8 @@ _RECORDING_LAUNCHER = textwrap.dedent(
 
     def recording_train(self, *args, **kwargs):
         out = train(self, *args, **kwargs)
-        params = {n: p.detach().double().sum().item() for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
+        model = self.accelerator.unwrap_model(self.model)
+        params = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
         path = os.path.join(self.args.output_dir, f"rank{self.args.process_index}.json")
         with open(path, "w") as f:
             json.dump({"world": self.args.world_size, "seen": seen, "params": params}, f)
@@ -250,7 +251,8 @@ def test_prompt_blocks_train_on_the_greedy_chain(tmp_path):
         argv = ["--config", str(TINY), "--output_dir", str(tmp_path / "out"), "--dataset_name",
                 str(tmp_path / "features"), "--feature_source", "cached", "--drafter_target_layer_ids", "1",
                 "--training_mode", "dflash", "--max_steps", "2", "--save_strategy", "no", "--num_anchors", "16",
-                "--per_device_train_batch_size", "4", "--logging_steps", "1", "--report_to", "none", *extra]  # fmt: skip
+                "--per_device_train_batch_size", "4", "--logging_steps", "1", "--report_to", "none",
+                *extra]  # fmt: skip
         trainer = module.main(*module.make_parser().parse_args_and_config(argv))
         return [log["supervised_slots"] for log in trainer.state.log_history if "supervised_slots" in log]
 

@@ -38,7 +38,9 @@ B = 4
 def models(request):
     target = build_tiny_target(seed=0)
     torch.manual_seed(1)
-    drafter = ReTraceDrafterModel.from_target(target, num_hidden_layers=1, block_size=B, anchor_broadcast=request.param)
+    drafter = ReTraceDrafterModel.from_target(
+        target, num_hidden_layers=1, block_size=B, anchor_broadcast=request.param
+    )
     drafter = drafter.float().eval()
     with torch.no_grad():  # non-zero conditioning (and W_a) so that they really change the drafts
         for param in drafter.retrace.parameters():
@@ -276,7 +278,9 @@ def test_grouped_drafter_forwards_equal_one_forward(models):
     with torch.no_grad():
         whole = draft_blocks(drafter, target, ids, feats, anchors, valid, attention_mask)
         for group in (1, 3):
-            grouped = draft_blocks(drafter, target, ids, feats, anchors, valid, attention_mask, max_blocks_per_forward=group)
+            grouped = draft_blocks(
+                drafter, target, ids, feats, anchors, valid, attention_mask, max_blocks_per_forward=group
+            )
             torch.testing.assert_close(grouped, whole, atol=1e-5, rtol=1e-5)
         rounds = [
             simulate_retrace_rounds(drafter, target, ids, attention_mask, loss_mask, anchors, valid, "teacher_forced",
@@ -296,7 +300,8 @@ def test_cached_features_replace_the_target(models):
     loss_mask = mask.clone()
     loss_mask[:, :4] = 0
     feats = compute_target_features(target, ids, drafter.config.target_layer_ids, mask)
-    loss = LossSettings(TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None), loss_decay_weights(B, 1.0))
+    head = TrainingDraftHead.from_lm_head(target.get_output_embeddings(), None)
+    loss = LossSettings(head, loss_decay_weights(B, 1.0))
     online = dflash_training_step(drafter, target, ids, mask, loss_mask, num_anchors=5, loss=loss,
                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
     calls = []
@@ -328,7 +333,8 @@ def test_block_labels_follow_the_greedy_chain():
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1]])
     anchors = torch.tensor([[1, 3, 5]])
     assert torch.equal(
-        block_labels(ids, loss_mask, anchors, valid, B, target_ids=chain), block_labels(ids, loss_mask, anchors, valid, B)
+        block_labels(ids, loss_mask, anchors, valid, B, target_ids=chain),
+        block_labels(ids, loss_mask, anchors, valid, B),
     )
 
 

@@ -62,7 +62,8 @@ def read_token_shards(pool_dir: str | os.PathLike) -> list[dict]:
                 tokens = data["tokens"][bounds[r] : bounds[r + 1]].astype(np.int64).tolist()
                 p = int(data["prompt_length"][r])
                 rows.append(dict(index=int(data["index"][r]), source=sources[r], prompt_ids=tokens[:p],
-                                 response_ids=tokens[p:], finished=bool(data["finished"][r]), shard=path.stem))  # fmt: skip
+                                 response_ids=tokens[p:], finished=bool(data["finished"][r]),
+                                 shard=path.stem))  # fmt: skip
     return rows
 
 
@@ -230,7 +231,8 @@ def cache_pool_features(
     for shard, rows in sorted(by_shard.items()):
         if (feature_dir / shard / "dataset_info.json").is_file():
             continue
-        generated = [GeneratedRow(r["index"], r["source"], r["prompt_ids"], r["response_ids"], r["finished"]) for r in rows]
+        fields = ("index", "source", "prompt_ids", "response_ids", "finished")
+        generated = [GeneratedRow(*(r[field] for field in fields)) for r in rows]
         row_length = lambda r: len(r.prompt_ids) + len(r.response_ids)  # noqa: E731
         for batch in _length_batches(generated, row_length, batch_tokens):
             _prefill_features(target, batch, layer_ids)
@@ -320,7 +322,8 @@ def cache_target_ids(target, feature_dir, *, batch_tokens: int = 8192) -> list[s
             greedy = target_greedy_ids(target, input_ids.to(device), mask.to(device)).cpu()
             for j, i in enumerate(batch):
                 p = prompt_lengths[i]
-                labels[i][: p - 1] = greedy[j, : p - 1].tolist()  # position p - 1's greedy token is the response's first
+                # position p - 1's greedy token is the response's first
+                labels[i][: p - 1] = greedy[j, : p - 1].tolist()
         shared = _shared_preamble_length(rows)
         labels = [[IGNORE_INDEX] * shared + row[shared:] for row in labels]
         _save_with_column(dataset, "target_ids", labels, path)

@@ -373,7 +373,7 @@ class DataCollatorWithFeatures:
             loss_mask[row, int(example["prompt_length"]) : n] = 1
             bits = torch.from_numpy(np.ascontiguousarray(example["features"][:n]).astype(np.int16, copy=False))
             features[row, :n] = bits.view(torch.bfloat16)[:, self._columns]  # stored as the bf16 bit pattern
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "features": features}
+        batch = dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, features=features)
         if all("target_ids" in e for e in examples):
             batch["target_ids"] = torch.full_like(input_ids, IGNORE_INDEX)
             for row, (example, n) in enumerate(zip(examples, lengths)):

@@ -8,9 +8,10 @@ repo or folder.
     out = target.generate(**inputs, custom_generate="<repo id or folder>", trust_remote_code=True, max_new_tokens=64)
 
 transformers copies this file into its modules cache, so `__file__` does not tell where the drafter lives. Instead
-`hf_retrace.hub.publish` writes it into `DRAFTER_SOURCE` below: the Hub repo id once published (or when `repo_id=` is given
-to `save_for_hub`), otherwise the absolute path of the folder it was saved to. Pass `drafter=` (a loaded drafter, a
-repo id or a folder) to override it, and `drafter_kwargs=` (e.g. `{"revision": "v1"}`) for its `from_pretrained`.
+`hf_retrace.hub.publish` writes it into `DRAFTER_SOURCE` below: the Hub repo id once published (or when `repo_id=` is
+given to `save_for_hub`), otherwise the absolute path of the folder it was saved to. Pass `drafter=` (a loaded
+drafter, a repo id or a folder) to override it, and `drafter_kwargs=` (e.g. `{"revision": "v1"}`) for its
+`from_pretrained`.
 """
 
 import functools

@@ -1,6 +1,7 @@
 """The model card of a ReTrace drafter repo: evaluation JSON, its results table, rendering and metadata checks.
 
-[`render_model_card`] fills `hf_retrace/hub/templates/model_card.md`; [`check_card_metadata`] checks its metadata offline.
+[`render_model_card`] fills `hf_retrace/hub/templates/model_card.md`; [`check_card_metadata`] checks its metadata
+offline.
 
 Evaluation JSON schema (input of the card's table; `hf-retrace bench` output is expected to follow it):
 
@@ -98,9 +99,9 @@ def render_model_card(
             "under model_cards/)."
         )
     data = ModelCardData(
-        **FIXED_METADATA, base_model=base_model, license=license, tags=list(dict.fromkeys([*CARD_TAGS, *(tags or [])])),
-        datasets=datasets or None,
-    )
+        **FIXED_METADATA, base_model=base_model, license=license, datasets=datasets or None,
+        tags=list(dict.fromkeys([*CARD_TAGS, *(tags or [])])),
+    )  # fmt: skip
     setup = {k: v for k, v in (eval_data or {}).items() if k != "results" and isinstance(v, (str, int, float, bool))}
     return ModelCard.from_template(
         data,

@@ -117,7 +117,9 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         if self.retrace_mode not in RETRACE_MODES:
             raise ValueError(f"retrace_mode must be one of {RETRACE_MODES}, got {self.retrace_mode!r}")
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (an anchor and at least one drafted slot), got {self.block_size}")
+            raise ValueError(
+                f"block_size must be >= 2 (an anchor and at least one drafted slot), got {self.block_size}"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id must be in [0, vocab_size={self.vocab_size}), got {self.mask_token_id}")
         if len(self.target_layer_ids) == 0:
@@ -125,7 +127,8 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(
-                f"target_layer_ids must be in [0, num_target_layers={self.num_target_layers}), got {self.target_layer_ids}"
+                f"target_layer_ids must be in [0, num_target_layers={self.num_target_layers}), "
+                f"got {self.target_layer_ids}"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(

@@ -9,7 +9,7 @@ Keys (all optional in the file; a missing key or `null` takes the value in `DECO
 | key | meaning | unset |
 |---|---|---|
 | `num_assistant_tokens` | `k`, drafts verified per block, in `[1, block_size - 1]` | all `block_size - 1` |
-| `assistant_confidence_threshold` | verify only the leading drafts whose top-1 draft probability reaches it | no stop |
+| `assistant_confidence_threshold` | verify only the leading drafts whose top-1 probability reaches it | no stop |
 | `prompt_lookup_num_tokens` | prompt lookup in front of the drafter, at most this many candidates | off |
 | `max_matching_ngram_size`, `prompt_lookup_min_ngram_size` | n-gram sizes prompt lookup tries, longest first | 3, 2 |
 | `datastore_num_tokens` | datastore lookup behind prompt lookup (needs `datastore.safetensors`) | off |

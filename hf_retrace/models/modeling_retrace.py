@@ -178,8 +178,9 @@ class ReTraceDrafterModel(ReTraceDrafterFilesMixin, ReTraceDrafterPreTrainedMode
         self.last_generation_stats = None
         self.post_init()
 
-    # Set by `import hf_retrace` to `hf_retrace.hub.publish.push_to_hub` (card + custom_generate/ recipe). Remote-code copies
-    # loaded without the package keep transformers' own push_to_hub, which still ships the code files via auto_map.
+    # Set by `import hf_retrace` to `hf_retrace.hub.publish.push_to_hub` (card + custom_generate/ recipe). Remote-code
+    # copies loaded without the package keep transformers' own push_to_hub, which still ships the code files via
+    # auto_map.
     hub_publisher = None
 
     def push_to_hub(self, repo_id: str, **kwargs):

@@ -7,7 +7,8 @@ features (big, rebuildable), resumably. `hf_retrace.data.pool` documents the for
 hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features
 # on a fresh machine with the committed token shards: rebuild only the features (and the target's greedy ids, for
 # training with completion_only_loss=False)
-hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features --features-only --target-ids
+hf-retrace build-pool --pool-dir data/smollm2-pool --feature-dir data_cache/smollm2-features \\
+    --features-only --target-ids
 ```
 
 Prompt seeds: reasoning-gym sets use seeds `--seed ..` (below `EVAL_SEED_OFFSET`); `stdlib` and `open_ended` use their
@@ -26,7 +27,8 @@ from ..cli import UsageError, check_exists, exits_on_usage_error
 from .generate_data import check_args, load_target, parse_mix, select_prompts
 
 
-DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"  # codeio: reasoning-gym crashes on some seeds (int64 in json.dumps)
+# no codeio: reasoning-gym crashes on some of its seeds (an int64 in json.dumps)
+DEFAULT_MIX = "gsm_symbolic:3200,stdlib:2300,open_ended:3000"
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -11,8 +11,8 @@ hf-retrace generate-data --target default \
 
 Every source is split into chunks of `--chunk-size` prompts and the chunks are generated round-robin across sources
 (chunk 0 of every source, then chunk 1, ...). Each chunk is one resumable, fingerprint-cached
-`hf_retrace.data.responses.generate_responses` call under `<output>/cache`, and after every chunk the combined dataset of
-everything finished so far is written to `<output>/dataset` (a `datasets` folder with a `source` column). So the
+`hf_retrace.data.responses.generate_responses` call under `<output>/cache`, and after every chunk the combined dataset
+of everything finished so far is written to `<output>/dataset` (a `datasets` folder with a `source` column). So the
 output is usable, and balanced across sources, at any time, and rerunning the same command resumes where it stopped.
 
 Prompts longer than `--max-prompt-tokens` (chat template included) are dropped and replaced by further items of the

@@ -86,7 +86,8 @@ def load_training_dataset(script_args: ReTraceScriptArguments, training_args: Re
         return dataset
     if tokenizer is None:
         raise ValueError(
-            f"Dataset {name!r} is not tokenized and target {training_args.target_model_name_or_path!r} has no tokenizer."
+            f"Dataset {name!r} is not tokenized and target {training_args.target_model_name_or_path!r} has no "
+            "tokenizer."
         )
     from ..data.responses import tokenize_conversations
 
@@ -98,7 +99,9 @@ def split_rows(dataset, start_row: int = 0, eval_num_rows: int = 0, end_row: int
     `n = end_row` rows (all by default). The last rows, not a random sample, so that a pool grown after a drafter was
     trained gives it rows it never saw."""
     if end_row is not None and not 0 < end_row <= len(dataset):
-        raise ValueError(f"dataset_end_row={end_row} must be in [1, {len(dataset)}] for a dataset of {len(dataset)} rows.")
+        raise ValueError(
+            f"dataset_end_row={end_row} must be in [1, {len(dataset)}] for a dataset of {len(dataset)} rows."
+        )
     n = len(dataset) if end_row is None else end_row
     if not 0 <= eval_num_rows < n:
         raise ValueError(f"eval_num_rows={eval_num_rows} must be in [0, {n}) for a dataset of {n} rows.")
@@ -127,7 +130,8 @@ def rank_draft_vocab(dataset, size: int, vocab_size: int) -> tuple[list[int], li
     responses they were ranked on."""
     from ..trainer.draft_vocab import most_frequent_tokens
 
-    columns = dataset.select_columns([c for c in ("input_ids", "prompt_length", "loss_mask") if c in dataset.column_names])
+    wanted = ("input_ids", "prompt_length", "loss_mask")
+    columns = dataset.select_columns([c for c in wanted if c in dataset.column_names])
     responses, prompts = split_token_ids(columns)
     return most_frequent_tokens(responses, size, prompts=prompts, vocab_size=vocab_size), responses
 
@@ -177,7 +181,11 @@ def lora_config(model_args: ModelConfig):
 
 
 def build_trainer(
-    script_args: ReTraceScriptArguments, training_args: ReTraceConfig, model_args: ModelConfig, target=None, dataset=None
+    script_args: ReTraceScriptArguments,
+    training_args: ReTraceConfig,
+    model_args: ModelConfig,
+    target=None,
+    dataset=None,
 ) -> ReTraceTrainer:
     """Loads target, drafter and dataset and builds the trainer that [`main`] runs.
 

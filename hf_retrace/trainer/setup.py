@@ -27,13 +27,14 @@ def load_target(name_or_path: str, dtype: str = "bfloat16", init_kwargs: dict | 
     """Loads the frozen target and its tokenizer.
 
     Args:
-        name_or_path (`str`): `"default"` ([`hf_retrace.data.assets.load_default_target`], offline SmolLM2-135M-Instruct),
-            `"tiny-random-qwen3"` ([`build_tiny_target`], no tokenizer), or a path/Hub id.
+        name_or_path (`str`): `"default"` ([`hf_retrace.data.assets.load_default_target`], offline
+            SmolLM2-135M-Instruct), `"tiny-random-qwen3"` ([`build_tiny_target`], no tokenizer), or a path/Hub id.
         dtype (`str`): `"auto"`, `"float32"`, `"bfloat16"` or `"float16"`.
         init_kwargs (`dict`, *optional*): more `from_pretrained` arguments for a path/Hub id target
             (`ReTraceConfig.target_model_init_kwargs`).
     Returns:
-        `(target, tokenizer)`; the target in eval mode with `requires_grad=False`; tokenizer `None` for the tiny target.
+        `(target, tokenizer)`; the target in eval mode with `requires_grad=False`; tokenizer `None` for the tiny
+        target.
     """
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     if init_kwargs and name_or_path in ("default", TINY_TARGET_NAME):
@@ -57,10 +58,11 @@ def init_drafter(args: ReTraceConfig, target, model_name_or_path: str | None = N
 
     `args.drafter_name_or_path` (or `model_name_or_path`) loads a ReTrace folder or a z-lab DFlash checkpoint (ReTrace
     modules then start with `W_v = 0`); otherwise a fresh drafter is sized from `target` with `drafter_num_layers`,
-    `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset), then warm-started from the target if
-    `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size` when set:
-    B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned at B = 8;
-    it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13 (results/verification.md).
+    `drafter_target_layer_ids`, `drafter_mask_token_id` and `block_size` (16 if unset), then warm-started from the
+    target if `args.drafter_init == "target"` ([`init_drafter_from_target`]). A loaded drafter takes `block_size`
+    when set: B sizes no parameter (slots differ only by their RoPE position), so a B = 16 drafter can be fine-tuned
+    at B = 8; it must be: run at B = 8 untrained, the SmolLM2 B = 16 drafter's tau fell from 1.41 to 1.13
+    (results/verification.md).
     `args.drafter_grow_layers` then deepens a loaded drafter without changing its outputs ([`grow_drafter_depth`]),
     and `args.drafter_target_layer_ids`, a superset of its layers, makes it read more target layers
     ([`add_target_layers`]).

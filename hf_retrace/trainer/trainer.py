@@ -326,7 +326,8 @@ def _validate_dataset(dataset) -> None:
     missing = [c for c in ("input_ids", "loss_mask") if c not in columns]
     if missing:
         raise ValueError(
-            f"train_dataset lacks {missing}; tokenize it first with `hf_retrace.data.responses.tokenize_conversations`."
+            f"train_dataset lacks {missing}; tokenize it first with "
+            "`hf_retrace.data.responses.tokenize_conversations`."
         )
     for mask in dataset["loss_mask"] if hasattr(dataset, "column_names") else (row["loss_mask"] for row in dataset):
         if any(a and b for a, b in pairwise(mask)):
@@ -350,7 +351,8 @@ def _configure_drafter(drafter: ReTraceDrafterModel, args: ReTraceConfig) -> Non
             param.requires_grad_(False)
     if not any(p.requires_grad for p in drafter.parameters()):
         raise ValueError(
-            f"Nothing to train: training_mode={args.training_mode!r} with retrace_mode={drafter.config.retrace_mode!r} "
+            f"Nothing to train: training_mode={args.training_mode!r} with "
+            f"retrace_mode={drafter.config.retrace_mode!r} "
             "leaves no trainable parameter."
         )
 
