@@ -1,5 +1,6 @@
 """Tiny random targets and drafters shared by the tests. Everything runs offline on CPU in seconds."""
 
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,6 +91,23 @@ def make_drafter(
 def random_prompt(length: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(8, VOCAB, (1, length), generator=generator)
+
+
+def lossless_call_with(max_new_tokens: int, **setting):
+    """A greedy `generate` call of a tiny qwen3 target with a fresh B = 4 drafter and a decoding `setting` for that
+    call (e.g. `num_assistant_tokens=1`), asserted equal to the target's own greedy output.
+
+    Returns:
+        `(drafter, again)`: `again(**kwargs)` runs the same speculative call without `setting`, with `kwargs` instead.
+    """
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="corrected")
+    prompt = random_prompt(6, seed=3)
+    again = functools.partial(target.generate, prompt, do_sample=False, pad_token_id=0, max_new_tokens=max_new_tokens,
+                              assistant_model=drafter)  # fmt: skip
+    expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=max_new_tokens)
+    assert again(**setting).tolist() == expected.tolist()
+    return drafter, again
 
 
 @pytest.fixture

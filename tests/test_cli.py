@@ -26,6 +26,13 @@ def _usage_error(argv: list[str], capsys, *expected: str) -> str:
     return line
 
 
+def _datastore(*extra: str) -> list[str]:
+    """`hf-retrace datastore` with a real drafter folder and pool folder (a shipped card, the checkout), then `extra`
+    (the last --drafter wins; --pool appends)."""
+    card = ROOT / "model_cards" / "smollm2-135m-dflash"
+    return ["datastore", "--drafter", str(card), "--pool", str(ROOT), "--output", "/no/out", *extra]
+
+
 def _recipe(tmp_path, text: str) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(TINY.read_text() + text)
@@ -78,32 +85,16 @@ def test_bench_with_a_bad_argument(capsys, tmp_path, argv, expected):
         (["build-pool", "--features-only", "--pool-dir", "/no/pool"], "--pool-dir '/no/pool': no such pool folder"),
         (["draft-vocab", "--drafter", "/no/d", "--pool", "p", "--size", "8", "--output", "o"], "--drafter '/no/d'"),
         (["analyze", "--drafter", "/no/d:corrected"], "--drafter '/no/d': no such drafter folder"),
+        (_datastore("--drafter", "/no/d"), "--drafter '/no/d': no such drafter folder; pass an existing drafter"),
+        (_datastore("--drafter", str(ROOT / "examples")), "no config.json there"),
+        (_datastore("--pool", "/no/pool:10"), "--pool '/no/pool': no such pool folder"),
+        (_datastore("--num-tokens", "0"), "--num-tokens (candidates per lookup) must be >= 1, got 0"),
+        (_datastore("--min-ngram-size", "4", "--max-ngram-size", "3"), "need 1 <= --min-ngram-size <= --max-ngram"),
     ],
 )
 def test_data_commands_with_a_bad_argument(capsys, argv, expected):
+    """Refused before any model or pool is read."""
     _usage_error(argv, capsys, expected)
-
-
-@pytest.mark.parametrize(
-    "extra, expected",
-    [
-        (["--drafter", "/no/d"], "--drafter '/no/d': no such drafter folder; pass an existing drafter folder"),
-        (["--drafter", "{empty}"], "no config.json there"),
-        (["--pool", "/no/pool:10"], "--pool '/no/pool': no such pool folder"),
-        (["--num-tokens", "0"], "--num-tokens (candidates per lookup) must be >= 1, got 0"),
-        (["--min-ngram-size", "4", "--max-ngram-size", "3"], "need 1 <= --min-ngram-size <= --max-ngram-size"),
-    ],
-)
-def test_datastore_with_a_bad_argument(capsys, tmp_path, extra, expected):
-    """`hf-retrace datastore` refuses a bad path or value before any pool is read or file written."""
-    drafter, pool, empty = tmp_path / "drafter", tmp_path / "pool", tmp_path / "empty"
-    for folder in (drafter, pool, empty):
-        folder.mkdir()
-    (drafter / "config.json").write_text("{}")
-    argv = ["--drafter", str(drafter), "--pool", str(pool), "--output", str(tmp_path / "out")]
-    argv += [value.format(empty=empty) for value in extra]  # the last --drafter wins; --pool appends
-    _usage_error(["datastore", *argv], capsys, expected)
-    assert not (tmp_path / "out").exists()
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

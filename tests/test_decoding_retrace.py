@@ -6,7 +6,7 @@ import warnings
 import pytest
 from transformers import GenerationConfig
 
-from conftest import make_drafter, make_target, random_prompt
+from conftest import lossless_call_with, make_drafter, make_target, random_prompt
 from hf_retrace import ReTraceDrafterConfig, ReTraceDrafterModel
 from hf_retrace.models.decoding_retrace import DECODING_DEFAULTS, drafter_generation_config, resolve_decoding_settings
 
@@ -41,19 +41,13 @@ def test_a_calls_values_override_and_its_global_defaults_do_not():
 
 
 def test_generate_kwargs_override_for_one_call_only():
-    target = make_target("qwen3")
-    drafter = make_drafter(target, block_size=4, mode="corrected")
-    prompt = random_prompt(6, seed=3)
-    expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
-    got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=drafter,
-                          num_assistant_tokens=1)  # fmt: skip
-    assert got.tolist() == expected.tolist()
+    drafter, again = lossless_call_with(20, num_assistant_tokens=1)
     assert max(drafter.last_generation_stats.acceptance_lengths) <= 2  # k = 1: at most one draft and the bonus
     assert drafter.generation_config.num_assistant_tokens is None
-    target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=drafter)
+    again()
     assert max(drafter.last_generation_stats.acceptance_lengths) > 2
     with pytest.raises(ValueError, match=r"num_assistant_tokens must be in \[1, block_size - 1 = 3\]"):
-        target.generate(prompt, max_new_tokens=4, pad_token_id=0, assistant_model=drafter, num_assistant_tokens=7)
+        again(num_assistant_tokens=7)
 
 
 def test_a_setting_put_on_the_model_config_is_a_clear_error():

@@ -1,11 +1,12 @@
 """Prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`): cycles whose context ends in
-a recurring n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the target's."""
+a recurring n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the
+target's."""
 
 import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from conftest import make_drafter, make_target, random_prompt
+from conftest import lossless_call_with, make_drafter, make_target, random_prompt
 from hf_retrace.bench.replay import target_features
 from hf_retrace.models.candidates_retrace import prompt_lookup_candidates
 from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator
@@ -131,19 +132,13 @@ def test_the_drafter_catches_up_on_the_features_of_lookup_cycles(monkeypatch):
 
 
 def test_generate_kwargs_turn_lookup_on_and_override_the_config():
-    target = make_target("qwen3")
-    drafter = make_drafter(target, block_size=4, mode="corrected")
-    prompt = random_prompt(6, seed=3)
-    expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24)
-    got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=drafter,
-                          prompt_lookup_num_tokens=2)  # fmt: skip
-    assert got.tolist() == expected.tolist()
+    drafter, again = lossless_call_with(24, prompt_lookup_num_tokens=2)
     assert drafter.last_generation_stats.num_lookup_cycles > 0
     assert drafter.generation_config.prompt_lookup_num_tokens is None  # generate's setting is for that call only
-    target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=24, assistant_model=drafter)
+    again()
     assert drafter.last_generation_stats.num_lookup_cycles == 0
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be >= 1"):
-        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, prompt_lookup_num_tokens=0)
+        again(prompt_lookup_num_tokens=0)
 
 
 def test_sampling_with_lookup_runs_both_kinds_of_cycle():
