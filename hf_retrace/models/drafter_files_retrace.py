@@ -112,8 +112,10 @@ class ReTraceDrafterFilesMixin:
         self.decoding_settings()  # a folder whose settings cannot run fails here, not at the first generate
 
     def _set_loaded_datastore(self, ids: torch.Tensor) -> None:
-        # an old checkpoint missing its buffer loads it uninitialised: catch that before garbage ids reach the target
-        if len(ids) == 0 or ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size:
+        # an old checkpoint missing its buffer loads it uninitialised: catch that before garbage ids reach the target.
+        # "Uninitialised" may be the constructor's fill, separators only, which `set_datastore` never writes.
+        invalid = len(ids) == 0 or ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size
+        if invalid or bool((ids == SEPARATOR).all()):
             raise ValueError(
                 f"the checkpoint's datastore ({len(ids)} tokens) is not a datastore: it lacks or corrupts it. Attach "
                 "the responses again with `set_datastore(responses)` or `hf-retrace datastore`."
