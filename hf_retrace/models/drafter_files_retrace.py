@@ -6,6 +6,7 @@
 its datastore (`datastore.safetensors`, `datastore_file_retrace`). [`ReTraceDrafterFilesMixin`] gives
 `ReTraceDrafterModel` their in-memory form (`generation_config`, `datastore_tokens`), saving and loading."""
 
+import json
 import os
 from pathlib import Path
 
@@ -99,7 +100,8 @@ class ReTraceDrafterFilesMixin:
         the datastore an old checkpoint kept in model.safetensors."""
         legacy = self._buffers.pop(LEGACY_DATASTORE_KEY, None)
         if legacy is not None:
-            self._set_loaded_datastore(legacy.cpu().to(torch.int32))
+            # a buffer the weights lack loads as whatever memory it got, possibly a freed valid datastore's bytes
+            self._set_loaded_datastore(legacy.cpu().to(torch.int32) if _has_weight(path, hub_kwargs) else legacy[:0])
         settings_file = _cached_file(path, "generation_config.json", hub_kwargs)
         if settings_file is not None:
             # the decoding keys only (the drafter never generates on its own); a missing or null key is its default
@@ -112,15 +114,26 @@ class ReTraceDrafterFilesMixin:
         self.decoding_settings()  # a folder whose settings cannot run fails here, not at the first generate
 
     def _set_loaded_datastore(self, ids: torch.Tensor) -> None:
-        # an old checkpoint missing its buffer loads it uninitialised: catch that before garbage ids reach the target.
-        # "Uninitialised" may be the constructor's fill, separators only, which `set_datastore` never writes.
-        invalid = len(ids) == 0 or ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size
-        if invalid or bool((ids == SEPARATOR).all()):
+        # an old checkpoint missing its buffer loads it uninitialised: catch that before garbage ids reach the target
+        if len(ids) == 0 or ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size:
             raise ValueError(
                 f"the checkpoint's datastore ({len(ids)} tokens) is not a datastore: it lacks or corrupts it. Attach "
                 "the responses again with `set_datastore(responses)` or `hf-retrace datastore`."
             )
         self.datastore_tokens, self._datastore_index = ids, None
+
+
+def _has_weight(path, hub_kwargs: dict, key: str = LEGACY_DATASTORE_KEY) -> bool:
+    """Whether the safetensors weights of `path` hold `key` (`True` when there are none to read: other formats)."""
+    index = _cached_file(path, "model.safetensors.index.json", hub_kwargs)
+    if index is not None:
+        with open(index, encoding="utf-8") as f:
+            return key in json.load(f)["weight_map"]
+    weights = _cached_file(path, "model.safetensors", hub_kwargs)
+    if weights is None:
+        return True
+    with open(weights, "rb") as f:  # a safetensors file starts with its u64 header length, then the JSON header
+        return key in json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
 def _cached_file(path, name: str, hub_kwargs: dict) -> str | None:
