@@ -3,6 +3,10 @@
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/serving.py --output-dir runs/serving            # the full bench
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/serving.py --quick --output-dir runs/serving-dev  # 2 prompts a set
 
+The full bench (8 prompts of each of 5 sets, 2 rounds, concurrency 1 and 8, all methods) takes about half an hour on
+a quiet 2-core CPU: ~25 s of generation per method and prompt set at batch 1, and ten vLLM engine start-ups of
+~20-40 s each (the dflash card is exported once per run, into `OUTPUT_DIR/exports/`).
+
 Methods (`--methods`, comma separated; default all):
 
     hf_ar                 transformers, target alone (greedy `generate`)
