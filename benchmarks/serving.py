@@ -437,8 +437,9 @@ def export_card(card: str, output: Path) -> str | None:
     """Exports `card` for vLLM into `output` (`hf-retrace export --format vllm`); None on success, else why not."""
     if not Path(card, "config.json").is_file():
         return f"drafter card {card} has no config.json"
+    # --overwrite: `output` is the bench's own folder, and a rerun into the same --output-dir re-exports there
     command = [sys.executable, "-m", "hf_retrace.cli", "export", "--format", "vllm", "--drafter", card,
-               "--output", str(output)]  # fmt: skip
+               "--output", str(output), "--overwrite"]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     if out.returncode != 0 or not (output / "config.json").is_file():
         tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
