@@ -32,8 +32,10 @@ Measurement. transformers runs in this process (fp32, skinny GEMM on target and 
 fp32, eager, `VLLM_CPU_OMP_THREADS_BIND=0-1`). The prompts are cut into `--rounds` chunks; each round runs every
 method on its chunk, in an order rotated by one per round (ABC BCA ...), at every concurrency, so slow drift of a
 shared machine lands on all methods alike. An idle vLLM engine costs no CPU here (top: under 2%), but holds ~3.7 GB,
-so only one engine lives at a time: each vLLM block starts its engine (start-up and a warmup excluded from timing)
-and ends it. transformers is batch-1 only: at concurrency above 1 it is left out (its batch-1 rows stand).
+so only one engine lives at a time: each vLLM block (a method, a round's chunk, one concurrency) starts its engine
+(start-up and a warmup on a token sequence of no benched prompt excluded from timing) and ends it. A fresh engine
+per concurrency matters for `suffix`, whose tree keeps every response: reusing the engine let it meet at
+concurrency 8 the responses it had just produced at concurrency 1. transformers is batch-1 only: at concurrency above 1 it is left out (its batch-1 rows stand).
 vLLM at concurrency C submits C prompts of one group at once and steps the engine until all are done; tokens/s =
 new tokens of all requests / wall time of the batches (a prompt set's row within a batch mixing sets: its requests'
 share of the batch's time).
@@ -493,9 +495,17 @@ def encode_prompts(tokenizer, num_per_set: int, seed: int) -> list[Prompt]:
     return prompts
 
 
+# untimed warmup request: token ids of no benched prompt, so a method that learns from past requests (vLLM's suffix
+# decoding adds every prompt and response to its tree) learns nothing about the prompts it is then timed on
+WARMUP_TOKEN_IDS = list(range(1000, 1032))
+
+
 def run_vllm_block(spec, worker, chunk, concurrencies, max_new_tokens, round_index) -> list[Batch]:
+    """`chunk` on a fresh `worker` at each of `concurrencies` (the main loop passes one). One engine per
+    concurrency: otherwise suffix decoding, which keeps every response in its tree, would meet at concurrency 8 the
+    very responses it produced at concurrency 1 (tau 3.5 instead of 1.4 in a run that reused the engine)."""
     batches = []
-    worker.generate([chunk[0].token_ids], 16)  # warmup, untimed
+    worker.generate([WARMUP_TOKEN_IDS], 16)
     for c in concurrencies:
         for group in concurrent_batches(chunk, c):
             reply = worker.generate([p.token_ids for p in group], max_new_tokens)
@@ -503,6 +513,26 @@ def run_vllm_block(spec, worker, chunk, concurrencies, max_new_tokens, round_ind
                                  [o["token_ids"] for o in reply["outputs"]], [o["cycles"] for o in reply["outputs"]],
                                  reply["seconds"], reply["counters"]))  # fmt: skip
     return batches
+
+
+def _vllm_block(spec, config, chunk, concurrency, round_index, args, output_dir, run_info, skipped) -> list[Batch]:
+    """One vLLM engine for `spec` at one concurrency on `chunk`; a worker that fails to start or dies loses that block
+    only (the method is skipped there, with a line saying why)."""
+    log = output_dir / "logs" / f"{spec.name}-round{round_index}-c{concurrency}.log"
+    worker = None
+    try:
+        worker = VllmWorker(args.target, config, log, args.vllm_threads_bind)
+        run_info["vllm"] = worker.info.get("vllm")
+        run_info["vllm_startup_s"].append([spec.name, round_index + 1, round(worker.info.get("startup_s", 0.0), 1)])
+        return run_vllm_block(spec, worker, chunk, [concurrency], args.max_new_tokens, round_index)
+    except RuntimeError as error:
+        skipped.append(f"{spec.name} round {round_index + 1} concurrency {concurrency}: {error} (log {log})")
+        where = f"round {round_index + 1} at concurrency {concurrency}"
+        print(f"skipping {spec.name} in {where}: {error}", file=sys.stderr)
+        return []
+    finally:
+        if worker is not None:
+            worker.close()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -568,19 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                                          [cycles], seconds))  # fmt: skip
                 write_results(output_dir, batches, run_info, skipped)
                 continue
-            log = output_dir / "logs" / f"{spec.name}-round{r}.log"
-            worker = None
-            try:  # a worker that fails to start or dies mid-block loses that block only (the method is skipped there)
-                worker = VllmWorker(args.target, configs[spec.name], log, args.vllm_threads_bind)
-                run_info["vllm"] = worker.info.get("vllm")
-                run_info["vllm_startup_s"].append([spec.name, r + 1, round(worker.info.get("startup_s", 0.0), 1)])
-                batches += run_vllm_block(spec, worker, chunk, concurrencies, args.max_new_tokens, r)
-            except RuntimeError as error:
-                skipped.append(f"{spec.name} round {r + 1}: {error} (log {log})")
-                print(f"skipping {spec.name} in round {r + 1}: {error}", file=sys.stderr)
-            finally:
-                if worker is not None:
-                    worker.close()
+            for c in concurrencies:  # a fresh engine per concurrency: see `run_vllm_block`
+                batches += _vllm_block(spec, configs[spec.name], chunk, c, r, args, output_dir, run_info, skipped)
             write_results(output_dir, batches, run_info, skipped)  # a killed run keeps the blocks it finished
     run_info["wall_s"], run_info["complete"] = time.perf_counter() - started, True
     failures, rows = write_results(output_dir, batches, run_info, skipped)
