@@ -45,7 +45,7 @@ def export_card(card: str, out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def target() -> str:
     if not (TARGET / "config.json").is_file():
         # a failure, not a skip: without the target the lossless checks would silently not run
@@ -53,7 +53,7 @@ def target() -> str:
     return str(TARGET)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def exports(tmp_path_factory):
     """`card -> exported folder`, made on first use."""
     root = tmp_path_factory.mktemp("exports")
@@ -87,7 +87,7 @@ def greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def plain_greedy(target):
     """vLLM's own greedy output (no speculation) on PROMPTS: one engine start-up for the whole run."""
     llm = make_llm(target)
