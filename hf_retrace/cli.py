@@ -1,6 +1,6 @@
 """`hf-retrace` console script:
-`hf-retrace {train,generate-data,build-pool,draft-vocab,datastore,bench,analyze,publish} ...`; each subcommand owns its
-own parser and is imported only when it runs (training needs the `train` extra).
+`hf-retrace {train,generate-data,build-pool,draft-vocab,datastore,bench,replay,analyze,publish,export} ...`; each
+subcommand owns its own parser and is imported only when it runs (training needs the `train` extra).
 
 A user's mistake (a missing file, an invalid value) is one line on stderr and exit status 2, like argparse's own
 errors: subcommands raise [`UsageError`] for it, from the validation they do before the long work starts. Every other
@@ -21,6 +21,7 @@ _SUBCOMMANDS = {
     "bench": ("hf_retrace.bench.run", "main", "evaluate decoding methods on prompt sets (tau, tokens/s, lossless)"),
     "draft-vocab": ("hf_retrace.scripts.draft_vocab", "cli_main", "re-rank a drafter's draft vocabulary on pools"),
     "datastore": ("hf_retrace.scripts.datastore", "cli_main", "attach pool responses to a drafter (datastore lookup)"),
+    "replay": ("hf_retrace.scripts.replay", "cli_main", "score drafters offline: the bench's greedy tau in a minute"),
     "analyze": ("hf_retrace.bench.analyze", "main", "rejected-suffix statistics of a drafter (top-1/top-5 agreement)"),
     "publish": ("hf_retrace.hub.publish", "publish_main", "validate a drafter folder, render its card, upload it"),
     "export": ("hf_retrace.scripts.export", "cli_main", "write a drafter folder for vLLM (--format vllm)"),

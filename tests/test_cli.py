@@ -90,6 +90,12 @@ def test_bench_with_a_bad_argument(capsys, tmp_path, argv, expected):
         (_datastore("--pool", "/no/pool:10"), "--pool '/no/pool': no such pool folder"),
         (_datastore("--num-tokens", "0"), "--num-tokens (candidates per lookup) must be >= 1, got 0"),
         (_datastore("--min-ngram-size", "4", "--max-ngram-size", "3"), "need 1 <= --min-ngram-size <= --max-ngram"),
+        (["replay", "--drafter", "model_cards/smollm2-135m-dflash"], "expected NAME=FOLDER"),
+        (["replay", "--drafter", "d=/no/d"], "--drafter '/no/d': no such drafter folder"),
+        (["replay", "--drafter", f"d={ROOT}", "--check-bench", "/no/r.json"], "--check-bench '/no/r.json': no such"),
+        (["replay", "--drafter", f"d={ROOT}", "--pool-rows", "0:8", "--pool-dir", "/no/p"], "--pool-dir '/no/p'"),
+        (["replay", "--drafter", f"d={ROOT}", "--prompt-lookup-num-tokens", "3", "--prompt-lookup-ngram-sizes", "2,3"],
+         "expected MAX,MIN"),
     ],
 )
 def test_data_commands_with_a_bad_argument(capsys, argv, expected):

@@ -1,27 +1,24 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""The bench's greedy DFlash tau, replayed offline: one target forward per prompt instead of a decoding loop.
+"""`hf-retrace replay`: the bench's greedy DFlash tau, replayed offline, one target forward per prompt.
 
 The target's greedy continuations are generated once (and kept in `--continuations`, a JSON file, for the next run);
 then each drafter is scored by [`hf_retrace.bench.replay`]: the acceptance at every anchor, and the cycles greedy
 decoding runs over them. `tau` is pooled over cycles exactly as `hf-retrace bench` reports it; `anchor_mean` is
 `1 +` the mean acceptance over all anchors, what the trainer's `eval_acceptance` estimates. `--check-bench
 results.json` compares the replayed cycles with a bench run's, prompt by prompt (the bench run of the same prompts,
-`--max-new-tokens` and `--draft-logits-dtype`). `--prompt-lookup-num-tokens 3` adds each arm again with prompt
-lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), and `--datastore` with each drafter's
-datastore lookup behind it (`generation_config.datastore_num_tokens`). `--num-assistant-tokens 2,3` and
-`--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the drafter config settings of those
-names); `verified` is the mean
-tokens per verification forward, which with `benchmarks/verification_cost.py` prices a cycle. `--pool-rows
-START:END` replays rows of the token pool instead (the target's greedy responses, up to 256 tokens, in generation
-order): rows newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to
-generate.
+`--max-new-tokens` and `--draft-logits-dtype`, a method named like the `--drafter`). `--prompt-lookup-num-tokens 3`
+adds each arm again with prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), and
+`--datastore` with each drafter's datastore lookup behind it (`generation_config.datastore_num_tokens`).
+`--num-assistant-tokens 2,3` and `--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the
+decoding settings of those names); `verified` is the mean tokens per verification forward. `--pool-rows START:END`
+replays rows of the token pool instead (the target's greedy responses, up to 256 tokens, in generation order): rows
+newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to generate.
 
 Usage (the bench's 24 held-out prompts; ~1 min per drafter on 2 threads once the continuations exist):
 
 ```bash
-python benchmarks/replay_tau.py --drafter shipped=model_cards/smollm2-135m-dflash \
-    --prompt-sets gsm_symbolic:8,humaneval:8,open_ended:8 --continuations runs/replay/continuations.json \
-    --check-bench results/drafter/bench-grown-pool/results.json
+hf-retrace replay --drafter shipped=model_cards/smollm2-135m-dflash --prompt-lookup-num-tokens 3 --datastore \
+    --prompt-sets gsm_symbolic:8,humaneval:8,open_ended:8 --continuations runs/replay/continuations.json
 ```
 """
 
@@ -31,9 +28,13 @@ from pathlib import Path
 
 import torch
 
+from ..cli import UsageError, check_exists, exits_on_usage_error
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+@exits_on_usage_error("hf-retrace replay")
+def cli_main(argv: list[str] | None = None) -> int:
+    """`hf-retrace replay --drafter NAME=FOLDER [...]`; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="hf-retrace replay", description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER (repeatable)")
     parser.add_argument("--prompt-sets", default="gsm_symbolic:8,humaneval:8,open_ended:8")
     parser.add_argument("--prompt-seed", type=int, default=10000, help="as `hf-retrace bench` (evaluation seeds)")
@@ -70,28 +71,33 @@ def main(argv: list[str] | None = None) -> None:
     arms += [(k, t) for k in caps for t in thresholds]
     drafters = [spec.partition("=") for spec in args.drafter]
     if not all(name and folder for name, _, folder in drafters):
-        parser.error(f"--drafter {args.drafter}: expected NAME=FOLDER")
+        raise UsageError(f"--drafter {args.drafter}: expected NAME=FOLDER")
+    for _, _, folder in drafters:
+        check_exists(folder, "--drafter", "drafter folder")
+    check_exists(args.check_bench, "--check-bench", "file", repo_id_ok=False)
+    if args.pool_rows:
+        check_exists(args.pool_dir, "--pool-dir", "pool folder", repo_id_ok=False)
+    lookup = None  # (num_tokens, max_size, min_size) of prompt lookup, or None
+    if args.prompt_lookup_num_tokens:
+        sizes = args.prompt_lookup_ngram_sizes.split(",")
+        if len(sizes) != 2 or not all(n.isdigit() for n in sizes) or not 1 <= int(sizes[1]) <= int(sizes[0]):
+            raise UsageError(f"--prompt-lookup-ngram-sizes {args.prompt_lookup_ngram_sizes!r}: expected MAX,MIN "
+                             "with 1 <= MIN <= MAX, e.g. 3,2")  # fmt: skip
+        lookup = (args.prompt_lookup_num_tokens, int(sizes[0]), int(sizes[1]))
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
-    from hf_retrace import ReTraceDrafterModel
-    from hf_retrace.bench.run import encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label
+    from ..bench.run import encode_prompt_set, load_target, parse_prompt_sets, prompt_set_label
+    from ..models.modeling_retrace import ReTraceDrafterModel
 
     target, tokenizer = load_target("default", torch.float32, "cpu")
     if args.pool_rows:
-        prompts, sequences = _pool_rows(args.pool_dir, args.pool_rows, parser)
+        prompts, sequences = _pool_rows(args.pool_dir, args.pool_rows)
     else:
         prompts = [(prompt_set_label(name), ids) for name, count in parse_prompt_sets(args.prompt_sets)
                    for ids in encode_prompt_set(name, count, tokenizer, args.prompt_seed)]  # fmt: skip
         sequences = _continuations(target, prompts, args.max_new_tokens, args.continuations)
     bench = _bench_cycles(args.check_bench) if args.check_bench else {}
-    lookup = None  # (num_tokens, max_size, min_size) of prompt lookup, or None
-    if args.prompt_lookup_num_tokens:
-        sizes = args.prompt_lookup_ngram_sizes.split(",")
-        if len(sizes) != 2 or not all(n.isdigit() for n in sizes) or not 1 <= int(sizes[1]) <= int(sizes[0]):
-            parser.error(f"--prompt-lookup-ngram-sizes {args.prompt_lookup_ngram_sizes!r}: expected MAX,MIN with "
-                         "1 <= MIN <= MAX, e.g. 3,2")  # fmt: skip
-        lookup = (args.prompt_lookup_num_tokens, int(sizes[0]), int(sizes[1]))
     lookups = _lookups(prompts, sequences, lookup, None) if lookup and not args.datastore else None
     print(f"{'drafter':<32}{'set':<14}{'prompts':>8}{'tau':>8}{'anchor_mean':>13}{'verified':>10}{'bench_match':>13}")
     for name, _, folder in drafters:
@@ -99,26 +105,26 @@ def main(argv: list[str] | None = None) -> None:
         if args.draft_logits_dtype != "none":
             drafter.generation_config.draft_logits_dtype = args.draft_logits_dtype
         if args.datastore:  # each drafter's own datastore, behind prompt lookup as in generation
-            lookups = _lookups(prompts, sequences, lookup, _datastore(drafter, folder, parser))
+            lookups = _lookups(prompts, sequences, lookup, _datastore(drafter, folder))
         lookup_label = " +" + "+".join(["lookup"] * bool(lookup) + ["datastore"] * args.datastore)
         _report(name, drafter, target, prompts, sequences, bench.get(name), arms, lookups, lookup_label)
 
 
 def _lookups(prompts, sequences, lookup: tuple[int, int, int] | None, datastore) -> list:
     """Per prompt, [`lookup_acceptance`] at every anchor: prompt lookup `(num_tokens, max, min)`, then `datastore`."""
-    from hf_retrace.bench.replay import lookup_acceptance
+    from ..bench.replay import lookup_acceptance
 
     num_tokens, max_size, min_size = lookup if lookup else (None, 3, 2)
     return [lookup_acceptance(seq, ids.shape[1], num_tokens, max_size, min_size, datastore)
             for (_, ids), seq in zip(prompts, sequences)]  # fmt: skip
 
 
-def _datastore(drafter, folder: str, parser):
+def _datastore(drafter, folder: str):
     """The drafter's [`NgramDatastore`] under its config's settings; a parser error when it has none."""
     config = drafter.generation_config
     if config.datastore_num_tokens is None:
-        parser.error(f"--datastore: {folder} has no datastore lookup (datastore_num_tokens is unset); attach "
-                     "one with `hf-retrace datastore`")  # fmt: skip
+        raise UsageError(f"--datastore: {folder} has no datastore lookup (datastore_num_tokens is unset); attach "
+                         "one with `hf-retrace datastore`")  # fmt: skip
     return drafter.datastore(config.datastore_num_tokens, config.datastore_max_ngram_size,
                              config.datastore_min_ngram_size)  # fmt: skip
 
@@ -140,14 +146,14 @@ def _continuations(target, prompts, max_new_tokens: int, path: str | None) -> li
     return sequences
 
 
-def _pool_rows(pool_dir: str, rows: str, parser) -> tuple[list, list[torch.LongTensor]]:
+def _pool_rows(pool_dir: str, rows: str) -> tuple[list, list[torch.LongTensor]]:
     """(`[(source, prompt ids [1, P])]`, `[prompt + response [1, T]]`) of pool rows `START:END`."""
-    from hf_retrace.data.pool import read_token_shards
+    from ..data.pool import read_token_shards
 
     pool = read_token_shards(pool_dir)
     start, _, end = rows.partition(":")
     if not (start.isdigit() and end.isdigit() and int(start) < int(end) <= len(pool)):
-        parser.error(f"--pool-rows {rows!r}: expected START:END within the pool's {len(pool)} rows")
+        raise UsageError(f"--pool-rows {rows!r}: expected START:END within the pool's {len(pool)} rows")
     selected = pool[int(start) : int(end)]
     prompts = [(row["source"], torch.tensor([row["prompt_ids"]])) for row in selected]
     return prompts, [torch.tensor([row["prompt_ids"] + row["response_ids"]]) for row in selected]
@@ -168,7 +174,7 @@ def _bench_cycles(path: str) -> dict[str, list[list[int]]]:
 def _report(
     name, drafter, target, prompts, sequences, bench_cycles, arms, lookups=None, lookup_label=" +lookup"
 ) -> None:
-    from hf_retrace.bench.replay import ReplayResult, anchor_scores
+    from ..bench.replay import ReplayResult, anchor_scores
 
     scores = [anchor_scores(target, drafter, seq, ids.shape[1]) for (_, ids), seq in zip(prompts, sequences)]
     with_lookup = [False] + [True] * (lookups is not None)
@@ -191,4 +197,4 @@ def _report(
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli_main())

@@ -1,0 +1,186 @@
+"""What `benchmarks/serving.py` runs: methods, modes, concurrencies, decodings and the prompts of each block.
+
+Pure, stdlib only (the prompt encoding imports hf_retrace lazily), so the tests load it without a model or vLLM.
+"""
+
+import math
+from dataclasses import dataclass
+
+
+CARDS = {"dflash": "model_cards/smollm2-135m-dflash", "retrace": "model_cards/smollm2-135m-retrace"}
+GROUPS = {"pool_eval": ("gsm_symbolic", "humaneval", "open_ended"), "unseen": ("codeio", "knights_knaves")}
+REFERENCES = {"hf": "hf_ar", "vllm": "vllm_ar"}
+MODES = ("compiled", "eager")  # vLLM's default (torch.compile) and enforce_eager; transformers has one mode, "hf"
+ALL_METHODS = "hf_ar,hf_drafter,vllm_ar,vllm_suffix,vllm_suffix=8,vllm_ngram,vllm_dflash,vllm_retrace"
+DEFAULT_NGRAM_TOKENS = 3
+
+
+@dataclass
+class MethodSpec:
+    """One `--methods` entry: `engine` is `hf` or `vllm`, `kind` one of ar, drafter, ngram, suffix, dflash;
+    `num_speculative_tokens=None` keeps vLLM's default for the method (suffix: its tree depth, 24)."""
+
+    name: str
+    engine: str
+    kind: str
+    card: str | None = None
+    num_speculative_tokens: int | None = None
+
+    def speculative_config(self, export_dir: str | None = None) -> dict | None:
+        """vLLM's `speculative_config` for this method (None: target alone)."""
+        k = self.num_speculative_tokens
+        if self.kind == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+        if self.kind == "suffix":
+            return {"method": "suffix"} | ({} if k is None else {"num_speculative_tokens": k})
+        if self.kind == "dflash":
+            return {"method": "dflash", "model": export_dir, "num_speculative_tokens": k}
+        return None
+
+
+def _parse_k(name: str, value: str, item: str) -> int:
+    if not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"expected {name}=K with K >= 1 speculative tokens, got {item!r}")
+    return int(value)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """`hf_ar,hf_drafter[=CARD],vllm_ar,vllm_ngram[=K],vllm_suffix[=K],vllm_dflash[=CARD],vllm_retrace[=CARD]`.
+
+    `vllm_suffix=8` is named `vllm_suffix8` (so vLLM's defaults and 8 tokens can run side by side), likewise
+    `vllm_ngram=K`; each engine's target-alone method is prepended when that engine is used without it.
+    """
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, has_value, value = item.partition("=")
+        if has_value and not value:
+            raise ValueError(f"method {item!r} has an empty value after '='; drop the '=' or give a value")
+        if name in ("hf_ar", "vllm_ar") and not has_value:
+            specs.append(MethodSpec(name, name.partition("_")[0], "ar"))
+        elif name == "hf_drafter":
+            specs.append(MethodSpec(name, "hf", "drafter", card=value or CARDS["dflash"]))
+        elif name == "vllm_ngram":
+            k = _parse_k(name, value, item) if has_value else DEFAULT_NGRAM_TOKENS
+            specs.append(MethodSpec(f"{name}{value}", "vllm", "ngram", num_speculative_tokens=k))
+        elif name == "vllm_suffix":
+            k = _parse_k(name, value, item) if has_value else None
+            specs.append(MethodSpec(f"{name}{value}", "vllm", "suffix", num_speculative_tokens=k))
+        elif name in ("vllm_dflash", "vllm_retrace"):
+            card = value or CARDS[name.partition("_")[2]]
+            specs.append(MethodSpec(name, "vllm", "dflash", card=card, num_speculative_tokens=3))
+        else:
+            raise ValueError(f"unknown method {item!r}; expected one of {ALL_METHODS} (with =CARD or =K where shown)")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"method names must be unique, got {names}")
+    for engine, reference in reversed(REFERENCES.items()):
+        if any(s.engine == engine for s in specs) and reference not in names:
+            specs.insert(0, MethodSpec(reference, engine, "ar"))
+    return specs
+
+
+def parse_concurrency(text: str, flag: str = "--concurrency") -> list[int]:
+    """`1,8` -> `[1, 8]` (unique, ascending, each >= 1)."""
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers like 1,8, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"{flag} needs integers >= 1, got {text!r}")
+    return values
+
+
+def parse_modes(text: str) -> list[str]:
+    """`compiled,eager` -> `["compiled", "eager"]` (in the order given, unique)."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes takes a comma-separated subset of {','.join(MODES)}, got {text!r}")
+    return modes
+
+
+@dataclass
+class Prompt:
+    group: str
+    prompt_set: str
+    index: int
+    token_ids: list[int]
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.group, self.prompt_set, self.index)
+
+
+def prompts_per_set(group: str, concurrency: int, base: int, factor: int) -> int:
+    """Prompts of each set of `group` at `concurrency`: `base`, raised so that the group holds at least `factor` x
+    `concurrency` prompts (every request of a concurrent batch a distinct prompt, and at least `factor` batches)."""
+    return max(base, math.ceil(factor * concurrency / len(GROUPS[group])))
+
+
+@dataclass
+class PromptPlan:
+    """How many prompts of each set each pass reads. Greedy passes at concurrency C read the first
+    `greedy(group, C)` prompts of each set; sampled passes read the next ones (disjoint from every greedy prompt, so
+    an engine that learns from its requests, as `suffix` does, never meets a sampled prompt's greedy answer)."""
+
+    base: int
+    factor: int
+    concurrencies: list[int]
+    sampled_concurrencies: list[int]
+
+    def greedy(self, group: str, concurrency: int) -> int:
+        return prompts_per_set(group, concurrency, self.base, self.factor)
+
+    def sampled(self, group: str, concurrency: int) -> int:
+        return self.greedy(group, concurrency) if concurrency in self.sampled_concurrencies else 0
+
+    def offset(self, group: str) -> int:
+        """Index of the first sampled prompt of each set of `group`."""
+        return max(self.greedy(group, c) for c in self.concurrencies)
+
+    def total(self, group: str) -> int:
+        return self.offset(group) + max([self.sampled(group, c) for c in self.sampled_concurrencies] or [0])
+
+    def pick(self, prompts: list[Prompt], concurrency: int, sampled: bool) -> list[Prompt]:
+        """The prompts of one pass, set by set in `GROUPS` order."""
+        picked = []
+        for p in prompts:
+            start = self.offset(p.group) if sampled else 0
+            count = self.sampled(p.group, concurrency) if sampled else self.greedy(p.group, concurrency)
+            if start <= p.index < start + count:
+                picked.append(p)
+        return picked
+
+
+def encode_prompts(tokenizer, plan: PromptPlan, seed: int) -> list[Prompt]:
+    """Every prompt the plan reads, chat template applied once (the same token ids go to both engines)."""
+    from hf_retrace.bench.run import encode_prompt_set
+
+    prompts = []
+    for group, sets in GROUPS.items():
+        for name in sets:
+            encoded = encode_prompt_set(name, plan.total(group), tokenizer, seed)
+            if len(encoded) < plan.total(group):
+                raise ValueError(f"prompt set {name} has {len(encoded)} prompts, the plan needs {plan.total(group)}")
+            prompts += [Prompt(group, name, i, ids[0].tolist()) for i, ids in enumerate(encoded)]
+    return prompts
+
+
+def chunk_rounds(prompts: list[Prompt], rounds: int) -> list[list[Prompt]]:
+    """Cuts the prompts into `rounds` chunks of near-equal size, each mixing every set (prompt k: chunk k % rounds)."""
+    rounds = max(1, min(rounds, len(prompts)))
+    return [prompts[r::rounds] for r in range(rounds)]
+
+
+def concurrent_batches(chunk: list[Prompt], concurrency: int) -> list[list[Prompt]]:
+    """The chunk's prompts in batches of `concurrency` submitted at once, each batch of one group only, so a group's
+    rows time its own requests (a batch's wall time cannot be split among groups)."""
+    batches = []
+    for group in dict.fromkeys(p.group for p in chunk):
+        prompts = [p for p in chunk if p.group == group]
+        batches += [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    return batches
+
+
+def rotated(items: list, k: int) -> list:
+    k %= max(len(items), 1)
+    return items[k:] + items[:k]
