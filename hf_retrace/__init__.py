@@ -9,7 +9,7 @@ Sub-packages: `models` (the Hub files), `trainer`, `data`, `bench`, `hub`; `cli`
 from transformers import AutoConfig, AutoModel
 
 from .models.configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
-from .models.candidates_retrace import CandidateSource
+from .models.sources_retrace import CandidateSource
 from .models.decoding_retrace import ReTraceDecodingSettings
 from .models.generation_retrace import (
     ReTraceCandidateGenerator,

@@ -1,26 +1,26 @@
 """Datastore lookup (`generation_config.datastore_num_tokens`, REST): cycles whose context ends in an n-gram of the
 drafter's datastore verify a walk of the tokens that most often followed it there, the others are drafted, and output
-stays exactly the target's; `datastore.safetensors`, the file beside the weights; old checkpoints that kept the
-datastore in model.safetensors."""
+stays exactly the target's; `datastore.safetensors`, the file beside the weights (`docs/formats.md`)."""
 
 import collections
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import make_drafter, make_target, random_prompt
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file, save_datastore_file
-from hf_retrace.models.datastore_retrace import SEPARATOR, NgramDatastore, _suffix_keys, _window_keys
+from hf_retrace.models.lookup_retrace import SEPARATOR, NgramDatastore, _suffix_keys, _window_keys
 
 
 def _flat(responses):
-    return torch.tensor([token for response in responses for token in (*response, SEPARATOR)])
+    return np.array([token for response in responses for token in (*response, SEPARATOR)])
 
 
 def _reference_next(responses, context, sizes):
@@ -40,8 +40,8 @@ def test_datastore_walks_the_most_frequent_next_token_of_the_longest_ngram():
     lengths = collections.Counter()
     for _ in range(500):
         context = [rng.randrange(5) for _ in range(rng.randrange(1, 7))]
-        got = index.candidates(torch.tensor(context))
-        proposed = [] if got is None else got.tolist()
+        got = index.candidates(np.array(context))
+        proposed = [] if got is None else got
         for token in proposed:  # every step follows the longest n-gram of the context extended so far
             assert token in _reference_next(responses, context, [4, 3, 2]), (context, proposed)
             context = context + [token]
@@ -52,8 +52,8 @@ def test_datastore_walks_the_most_frequent_next_token_of_the_longest_ngram():
 
 
 def test_suffix_keys_are_the_table_keys():
-    """A lookup hashes its query in Python integers, the index its corpus with tensors: the keys must be equal."""
-    ids = torch.randint(0, 2**18, (40,), generator=torch.Generator().manual_seed(0))
+    """A lookup hashes its query in Python integers, the index its corpus with arrays: the keys must be equal."""
+    ids = np.random.default_rng(0).integers(0, 2**18, 40)
     sizes = [6, 5, 4, 3, 1]
     table = _window_keys(ids, set(sizes))
     for i in range(len(ids) + 1):
@@ -65,16 +65,16 @@ def test_suffix_keys_are_the_table_keys():
 
 def test_datastore_never_spans_two_responses():
     index = NgramDatastore(_flat([[1, 2, 3], [4, 5, 6, 7]]), num_tokens=2, max_ngram_size=2, min_ngram_size=1)
-    assert index.candidates(torch.tensor([9, 4])).tolist() == [5, 6]
-    assert index.candidates(torch.tensor([5])).tolist() == [6, 7]
-    assert index.candidates(torch.tensor([2])).tolist() == [3]  # 3 ends its response: the walk stops there
-    assert index.candidates(torch.tensor([3])) is None  # nothing of the next response follows 3
-    assert index.candidates(torch.tensor([4, 5]), num_tokens=1).tolist() == [6]
-    assert index.candidates(torch.tensor([4]), num_tokens=5).tolist() == [5, 6]  # never past its own num_tokens
+    assert index.candidates(np.array([9, 4])) == [5, 6]
+    assert index.candidates(np.array([5])) == [6, 7]
+    assert index.candidates(np.array([2])) == [3]  # 3 ends its response: the walk stops there
+    assert index.candidates(np.array([3])) is None  # nothing of the next response follows 3
+    assert index.candidates(np.array([4, 5]), num_tokens=1) == [6]
+    assert index.candidates(np.array([4]), num_tokens=5) == [5, 6]  # never past its own num_tokens
     with pytest.raises(ValueError, match="num_tokens >= 1, got 0"):
         index.num_tokens = 0
     tiny = NgramDatastore(_flat([[1, 2]]), num_tokens=3, max_ngram_size=6, min_ngram_size=3)  # shorter than n + 1
-    assert tiny.candidates(torch.tensor([1, 2])) is None and tiny.candidates(torch.tensor([1, 2, 1, 2])) is None
+    assert tiny.candidates(np.array([1, 2])) is None and tiny.candidates(np.array([1, 2, 1, 2])) is None
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -145,10 +145,10 @@ def _saved_drafter_with_datastore(folder, num_responses):
 
 def test_datastore_round_trips_through_its_own_file(tmp_path):
     target, drafter = _saved_drafter_with_datastore(tmp_path, 3)
-    assert (tmp_path / "datastore_retrace.py").is_file() and (tmp_path / "datastore_file_retrace.py").is_file()
+    assert (tmp_path / "lookup_retrace.py").is_file() and (tmp_path / "datastore_file_retrace.py").is_file()
     assert set(load_file(tmp_path / "model.safetensors")) == set(drafter.state_dict())  # weights only
     assert not any("datastore" in key for key in drafter.state_dict())
-    with safe_open(tmp_path / DATASTORE_FILE, framework="pt") as f:  # the format FORMAT.md describes
+    with safe_open(tmp_path / DATASTORE_FILE, framework="pt") as f:  # the format docs/formats.md describes
         stored, metadata, keys = f.get_tensor("token_ids"), f.metadata(), list(f.keys())
     assert keys == ["token_ids"] and stored.dtype == torch.uint16  # vocab 128 fits
     assert metadata["format"] == "pt" and metadata["separator"] == "65535" and len(metadata["sha256"]) == 64
@@ -175,7 +175,8 @@ def test_large_vocabularies_store_int32_with_separator_minus_one(tmp_path):
     save_datastore_file(tmp_path / DATASTORE_FILE, ids, vocab_size=100_000)
     with safe_open(tmp_path / DATASTORE_FILE, framework="pt") as f:
         assert f.get_tensor("token_ids").dtype == torch.int32 and f.metadata()["separator"] == "-1"
-    assert torch.equal(load_datastore_file(tmp_path / DATASTORE_FILE, 100_000), ids)
+    loaded = load_datastore_file(tmp_path / DATASTORE_FILE, 100_000)
+    assert loaded.dtype == np.int32 and loaded.tolist() == ids.tolist()
 
 
 def test_a_corrupt_or_foreign_datastore_file_is_a_clear_error(tmp_path):
@@ -241,55 +242,3 @@ def test_datastore_command_writes_only_the_datastore_and_settings(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("hf-retrace datastore: error: --pool ") and "END must be in [1, 4]" in err
     assert err.count("\n") == 1 and not (tmp_path / "bad").exists()
-
-
-def _to_old_layout(folder, drafter, datastore: bool = True) -> None:
-    """Rewrites a saved drafter folder the way checkpoints were written before generation_config.json and
-    datastore.safetensors: decoding settings in config.json, the datastore inside model.safetensors."""
-    config = json.loads((folder / "config.json").read_text())
-    kept = ("num_assistant_tokens", "datastore_num_tokens", "datastore_max_ngram_size", "datastore_min_ngram_size",
-            "prompt_lookup_min_ngram_size")  # fmt: skip
-    config.update({key: getattr(drafter.generation_config, key) for key in kept})
-    config.update(prompt_lookup_max_ngram_size=drafter.generation_config.max_matching_ngram_size,
-                  assistant_confidence_threshold=None, prompt_lookup_num_tokens=None, draft_logits_dtype=None)
-    weights = load_file(folder / "model.safetensors")
-    if datastore:
-        config["datastore_size"] = len(drafter.datastore_tokens)
-        weights["datastore_token_ids"] = drafter.datastore_tokens.clone()
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "generation_config.json").unlink()
-    (folder / DATASTORE_FILE).unlink()
-
-
-def test_an_old_checkpoint_with_the_datastore_in_its_weights_still_loads(tmp_path):
-    target, drafter = _saved_drafter_with_datastore(tmp_path / "old", 3)
-    drafter.generation_config.num_assistant_tokens = 2
-    _to_old_layout(tmp_path / "old", drafter)
-    with pytest.warns(FutureWarning, match="now live in the drafter's generation_config") as caught:
-        loaded = ReTraceDrafterModel.from_pretrained(tmp_path / "old")
-    assert len([w for w in caught if issubclass(w.category, FutureWarning)]) == 1
-    assert torch.equal(loaded.datastore_tokens, drafter.datastore_tokens)
-    settings = loaded.generation_config
-    assert settings.num_assistant_tokens == 2 and settings.datastore_num_tokens == 2
-    assert settings.max_matching_ngram_size == 3
-    assert not any(key in vars(loaded.config) for key in ("datastore_size", "num_assistant_tokens"))
-    assert "datastore_token_ids" not in loaded.state_dict()
-    prompt = random_prompt(5, seed=1)
-    expected = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
-    got = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=loaded)
-    assert got.tolist() == expected.tolist() and loaded.last_generation_stats.num_datastore_cycles > 0
-    loaded.save_pretrained(tmp_path / "new")  # re-saved: the new layout
-    assert "datastore_token_ids" not in load_file(tmp_path / "new" / "model.safetensors")
-    assert "datastore_size" not in json.loads((tmp_path / "new" / "config.json").read_text())
-    assert (tmp_path / "new" / DATASTORE_FILE).is_file()
-
-
-def test_an_old_checkpoint_without_its_datastore_is_a_clear_error(tmp_path):
-    _, drafter = _saved_drafter_with_datastore(tmp_path, 2)
-    _to_old_layout(tmp_path, drafter)
-    weights = load_file(tmp_path / "model.safetensors")
-    weights.pop("datastore_token_ids")  # the buffer is then left uninitialised (here: the constructor's fill)
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="is not a datastore: it lacks or corrupts it"), pytest.warns(FutureWarning):
-        ReTraceDrafterModel.from_pretrained(tmp_path)

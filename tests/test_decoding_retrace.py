@@ -1,13 +1,11 @@
 """The drafter's decoding settings (`decoding_retrace`): its `generation_config`, what "unset" means, which
-`generate(...)` values override it for one call, and old config.json files that still carry the settings."""
-
-import warnings
+`generate(...)` values override it for one call, and a setting put on the network config is refused."""
 
 import pytest
 from transformers import GenerationConfig
 
 from conftest import lossless_call_with, make_drafter, make_target, random_prompt
-from hf_retrace import ReTraceDrafterConfig, ReTraceDrafterModel
+from hf_retrace import ReTraceDrafterModel
 from hf_retrace.models.decoding_retrace import DECODING_DEFAULTS, drafter_generation_config, resolve_decoding_settings
 
 
@@ -56,26 +54,6 @@ def test_a_setting_put_on_the_model_config_is_a_clear_error():
     drafter.config.prompt_lookup_num_tokens = 2  # the old place: it would silently do nothing
     with pytest.raises(ValueError, match=r"drafter\.generation_config\.prompt_lookup_num_tokens = \.\.\."):
         target.generate(random_prompt(5, seed=0), max_new_tokens=4, pad_token_id=0, assistant_model=drafter)
-
-
-def test_an_old_config_moves_its_settings_with_one_warning():
-    old = dict(vocab_size=64, hidden_size=32, num_target_layers=4, mask_token_id=1, num_hidden_layers=1,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, block_size=4,
-               num_assistant_tokens=2, assistant_confidence_threshold=0.5, prompt_lookup_num_tokens=3,
-               prompt_lookup_max_ngram_size=4, datastore_max_ngram_size=5, draft_logits_dtype="bfloat16")  # fmt: skip
-    config = ReTraceDrafterConfig(**old)  # transformers would drop num_assistant_tokens and the threshold itself
-    assert config.num_assistant_tokens == 2 and config.assistant_confidence_threshold == 0.5
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        drafter = ReTraceDrafterModel(config)
-    assert [str(w.message) for w in caught if w.category is FutureWarning][0].count("generation_config") >= 1
-    assert len([w for w in caught if w.category is FutureWarning]) == 1
-    settings = drafter.generation_config
-    assert (settings.num_assistant_tokens, settings.assistant_confidence_threshold) == (2, 0.5)
-    assert (settings.prompt_lookup_num_tokens, settings.max_matching_ngram_size) == (3, 4)  # renamed
-    assert (settings.datastore_max_ngram_size, settings.draft_logits_dtype) == (5, "bfloat16")
-    assert not set(DECODING_DEFAULTS) & set(drafter.config.to_dict())  # the network config keeps none of them
-    assert "prompt_lookup_max_ngram_size" not in drafter.config.to_dict()
 
 
 def test_saved_generation_config_holds_the_settings_and_config_json_none(tmp_path):

@@ -1,5 +1,5 @@
 """`hf-retrace export --format vllm`: the tensor mapping, the config, the datastore copy and every refusal, on tiny
-random drafters (the folder format is /work/coord/FORMAT.md §2)."""
+random drafters (the folder format is docs/formats.md)."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target, random_prompt
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import hf_retrace.cli as cli
 from hf_retrace import ReTraceDrafterModel
@@ -20,7 +20,6 @@ from hf_retrace.export.vllm import (
     export_for_vllm,
     vllm_state_dict,
 )
-from hf_retrace.models.datastore_file_retrace import load_datastore_file
 
 
 DRAFT_IDS = [0, 3, 5, 6, 7, 40, 127]  # a reduced vocabulary of K = 7 of the 128 tokens
@@ -172,20 +171,6 @@ def test_decoding_policy_unset_verifies_every_draft(tmp_path, target):
     assert config["hf_retrace"]["prompt_lookup_num_tokens"] is None
 
 
-def test_decoding_policy_of_an_old_config_json(tmp_path, target):
-    """Settings a drafter saved before generation_config.json keeps in config.json, under the old names."""
-    make_drafter(target, block_size=4).save_pretrained(tmp_path / "drafter")
-    (tmp_path / "drafter" / "generation_config.json").unlink()
-    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    raw.update(num_assistant_tokens=2, prompt_lookup_num_tokens=3, prompt_lookup_max_ngram_size=4)
-    (tmp_path / "drafter" / "config.json").write_text(json.dumps(raw))
-    with pytest.warns(FutureWarning):
-        out = export_for_vllm(tmp_path / "drafter", tmp_path / "out")
-    block = json.loads((out / "config.json").read_text())["hf_retrace"]
-    names = ("num_assistant_tokens", "prompt_lookup_num_tokens", "prompt_lookup_max_ngram_size")
-    assert [block[name] for name in names] == [2, 3, 4]
-
-
 def test_datastore_is_copied_byte_for_byte(tmp_path, target):
     drafter = make_drafter(target)
     drafter.set_datastore([[5, 6, 7, 8], [9, 10]])
@@ -205,24 +190,6 @@ def test_datastore_is_copied_byte_for_byte(tmp_path, target):
     export_for_vllm(tmp_path / "drafter", out, overwrite=True)
     assert not (out / DATASTORE_FILE).exists()
     assert json.loads((out / "config.json").read_text())["hf_retrace"]["datastore_file"] is None
-
-
-def test_datastore_kept_in_model_safetensors_is_written_out(tmp_path, target):
-    """A drafter saved when the datastore was a buffer inside model.safetensors (config.json `datastore_size`)."""
-    folder = tmp_path / "drafter"
-    make_drafter(target).save_pretrained(folder)
-    (folder / "generation_config.json").unlink()
-    tokens = torch.tensor([5, 6, 7, -1, 9, 10, -1], dtype=torch.int32)
-    weights = load_file(folder / "model.safetensors")
-    save_file({**weights, "datastore_token_ids": tokens}, folder / "model.safetensors", metadata={"format": "pt"})
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "datastore_size": 7, "datastore_num_tokens": 2}))
-    with pytest.warns(FutureWarning):
-        out = export_for_vllm(folder, tmp_path / "out")
-    assert load_datastore_file(out / DATASTORE_FILE, 128).tolist() == tokens.tolist()
-    with safe_open(out / "model.safetensors", "pt") as f:
-        assert "datastore_token_ids" not in f.keys()
-    assert json.loads((out / "config.json").read_text())["hf_retrace"]["datastore_file"] == DATASTORE_FILE
 
 
 # --- refusals -------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from transformers import AutoModel
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file
-from hf_retrace.models.decoding_retrace import DECODING_DEFAULTS, LEGACY_CONFIG_KEYS
+from hf_retrace.models.decoding_retrace import DECODING_DEFAULTS
 from hf_retrace.data.assets import load_default_target
 from hf_retrace.hub.publish import code_files, publish, render_hub_files
 from hf_retrace.hub.validation import CODE_FILES, CUSTOM_GENERATE_FILE, validate_folder
@@ -35,9 +35,9 @@ def test_there_are_shipped_drafters():
 @pytest.mark.parametrize("folder", SHIPPED, ids=lambda p: p.name)
 def test_shipped_folder_is_in_the_current_layout(folder):
     """config.json the network only, generation_config.json the decoding settings, the datastore in its own verified
-    file and not in the weights; loading it warns about nothing (an old layout would)."""
+    file and not in the weights; loading it warns about nothing."""
     config = json.loads((folder / "config.json").read_text())
-    assert not {*LEGACY_CONFIG_KEYS, *DECODING_DEFAULTS, "datastore_size"} & config.keys()
+    assert not {*DECODING_DEFAULTS, "prompt_lookup_max_ngram_size", "datastore_size"} & config.keys()
     settings = json.loads((folder / "generation_config.json").read_text())
     assert {k: settings[k] for k in ("num_assistant_tokens", "prompt_lookup_num_tokens", "datastore_num_tokens")} == {
         "num_assistant_tokens": 3, "prompt_lookup_num_tokens": 3, "datastore_num_tokens": 3}  # fmt: skip
@@ -49,7 +49,7 @@ def test_shipped_folder_is_in_the_current_layout(folder):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         drafter = ReTraceDrafterModel.from_pretrained(folder)
-    assert torch.equal(drafter.datastore_tokens, tokens) and drafter.datastore_size == 1_751_576
+    assert drafter.datastore_tokens.tolist() == tokens.tolist() and drafter.datastore_size == 1_751_576
     loaded = drafter.decoding_settings()
     assert (loaded.num_assistant_tokens, loaded.assistant_confidence_threshold) == (3, None)
     assert (loaded.prompt_lookup_num_tokens, loaded.max_matching_ngram_size, loaded.prompt_lookup_min_ngram_size) == (

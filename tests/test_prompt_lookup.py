@@ -2,19 +2,19 @@
 a recurring n-gram verify the tokens that followed it, the others are drafted, and output stays exactly the
 target's."""
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from conftest import lossless_call_with, make_drafter, make_target, random_prompt
 from hf_retrace.bench.replay import target_features
-from hf_retrace.models.candidates_retrace import prompt_lookup_candidates
 from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator
+from hf_retrace.models.lookup_retrace import prompt_lookup
 
 
 def _lookup(ids, num_tokens=3, max_size=3, min_size=1):
-    out = prompt_lookup_candidates(torch.tensor(ids), num_tokens, max_size, min_size)
-    return None if out is None else out.tolist()
+    return prompt_lookup(np.array(ids), num_tokens, max_size, min_size)
 
 
 def test_lookup_takes_the_earliest_match_of_the_longest_ngram():
@@ -41,9 +41,9 @@ def test_lookup_matches_transformers_prompt_lookup():
         ids = torch.randint(0, 4, (1, int(torch.randint(2, 12, (1,), generator=generator))), generator=generator)
         reference = PromptLookupCandidateGenerator(num_output_tokens=3, max_matching_ngram_size=2, max_length=100)
         expected, _ = reference.get_candidates(ids)
-        got = prompt_lookup_candidates(ids[0], 3, 2, 1)
+        got = prompt_lookup(ids[0].numpy(), 3, 2, 1)
         expected = expected[0, ids.shape[1] :].tolist()
-        assert (got.tolist() if got is not None else []) == expected, ids.tolist()
+        assert (got if got is not None else []) == expected, ids.tolist()
         found += got is not None
     assert found > 100  # most random 4-token sequences have a recurring n-gram, so both branches were compared
 

@@ -18,12 +18,17 @@ per-cycle mean: a cycle starts right after a rejection, so easy stretches are cr
 many; `ReplayResult` reports both.
 """
 
+import types
 from dataclasses import dataclass, field
 
 import torch
 
-from ..models.candidates_retrace import prompt_lookup_candidates
 from ..models.draft_head_retrace import draft_lm_head
+from ..models.policy_settings_retrace import DECODING_DEFAULTS
+from ..models.sources_retrace import CandidateSource, candidate_sources, propose_from_sources
+
+
+_UNCAPPED = 1 << 30  # the replay caps proposals at the sequence end itself (`_walk`), as generation's room does
 
 
 @torch.no_grad()
@@ -96,6 +101,30 @@ def anchor_acceptance(target, drafter, input_ids: torch.LongTensor, prompt_lengt
     return anchor_scores(target, drafter, input_ids, prompt_length).acceptance
 
 
+def source_acceptance(
+    input_ids: torch.LongTensor, prompt_length: int, sources: list[CandidateSource]
+) -> list[tuple[int, int] | None]:
+    """The candidate sources in front of the drafter, at every response anchor: what the first of `sources` (in
+    registry order, as generation asks them; e.g. `candidate_sources(drafter.decoding_settings(), drafter)`)
+    proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)` (the leading candidates
+    equal to `x_{p+1} ..`), or `None` where no source proposes and the drafter drafts.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(1, T)`): prompt, then the target's greedy continuation.
+        prompt_length (`int`): `P`; anchors are `P .. T-2`, as in [`anchor_scores`].
+        sources (`list[CandidateSource]`): the sources turned on, in the order a cycle asks them.
+    """
+    tokens = input_ids[0].cpu().numpy()
+    out = []
+    for p in range(prompt_length, tokens.shape[0] - 1):
+        _, candidates = propose_from_sources(sources, tokens[: p + 1], _UNCAPPED)
+        if candidates is None:
+            out.append(None)
+            continue
+        out.append((len(candidates), _leading_matches(candidates, tokens[p + 1 :].tolist())))
+    return out
+
+
 def lookup_acceptance(
     input_ids: torch.LongTensor,
     prompt_length: int,
@@ -104,30 +133,16 @@ def lookup_acceptance(
     min_ngram_size: int = 2,
     datastore=None,
 ) -> list[tuple[int, int] | None]:
-    """Prompt lookup in front of the drafter (`prompt_lookup_num_tokens`), at every response anchor: what
-    [`prompt_lookup_candidates`] proposes there from the committed tokens `x_0 .. x_p`, as `(candidates m, accepted)`
-    (the leading candidates equal to `x_{p+1} ..`), or `None` where no n-gram recurs and the drafter drafts. With
-    `datastore` (an [`NgramDatastore`], `datastore_num_tokens`), anchors prompt lookup leaves to the drafter
-    try it first, as generation does.
-
-    Args:
-        input_ids (`torch.LongTensor` of shape `(1, T)`): prompt, then the target's greedy continuation.
-        prompt_length (`int`): `P`; anchors are `P .. T-2`, as in [`anchor_scores`].
-        num_tokens (`int`, *optional*): prompt-lookup candidates; `None` turns prompt lookup off.
-    """
-    ids = input_ids[0]
-    out = []
-    for p in range(prompt_length, ids.shape[0] - 1):
-        candidates = None
-        if num_tokens is not None:
-            candidates = prompt_lookup_candidates(ids[: p + 1], num_tokens, max_ngram_size, min_ngram_size)
-        if candidates is None and datastore is not None:
-            candidates = datastore.candidates(ids[: p + 1])
-        if candidates is None:
-            out.append(None)
-            continue
-        out.append((len(candidates), _leading_matches(candidates.tolist(), ids[p + 1 :].tolist())))
-    return out
+    """[`source_acceptance`] of prompt lookup (`prompt_lookup_num_tokens = num_tokens`, `None` turns it off, with
+    n-grams `max_ngram_size` down to `min_ngram_size`) and, with `datastore` (an [`NgramDatastore`], e.g.
+    `drafter.datastore(...)`), datastore lookup, asked in the registry's order as generation asks them."""
+    settings = types.SimpleNamespace(**{
+        **DECODING_DEFAULTS, "prompt_lookup_num_tokens": num_tokens, "max_matching_ngram_size": max_ngram_size,
+        "prompt_lookup_min_ngram_size": min_ngram_size,
+        "datastore_num_tokens": None if datastore is None else datastore.num_tokens,
+    })  # fmt: skip
+    resources = types.SimpleNamespace(datastore=lambda *sizes: datastore)
+    return source_acceptance(input_ids, prompt_length, candidate_sources(settings, resources))
 
 
 def replay_cycles(
@@ -144,8 +159,8 @@ def replay_cycles(
     replays generation that verifies only the first k drafts of each block, and `proposed[i]` (from
     [`AnchorScores.proposed`]) the drafts a confidence stop leaves at anchor `i`: `a_p` is capped by both, since the
     drafter still runs its full block and the drafts it proposes are the ones `acceptance` scored. `lookups[i]`
-    (from [`lookup_acceptance`]) replays prompt lookup in front of the drafter: where it is not `None`, the cycle
-    verifies those candidates instead of drafts.
+    (from [`source_acceptance`]) replays the candidate sources in front of the drafter: where it is not `None`, the
+    cycle verifies those candidates instead of drafts.
     """
     return [committed for _, committed in _walk(acceptance, num_assistant_tokens, proposed, lookups)]
 
@@ -202,7 +217,7 @@ class ReplayResult:
 
     def add(self, scores: "AnchorScores | list[int]", lookups: list[tuple[int, int] | None] | None = None) -> None:
         """Adds one prompt: its [`AnchorScores`], or its bare acceptance when there is no confidence stop, and with
-        `lookups` ([`lookup_acceptance`]) prompt lookup in front of the drafter."""
+        `lookups` ([`source_acceptance`]) the candidate sources in front of the drafter."""
         threshold = self.assistant_confidence_threshold
         if isinstance(scores, AnchorScores):
             acceptance = scores.acceptance
@@ -220,5 +235,5 @@ class ReplayResult:
 
 __all__ = [
     "AnchorScores", "ReplayResult", "anchor_acceptance", "anchor_scores", "lookup_acceptance", "replay_cycles",
-    "target_features",
+    "source_acceptance", "target_features",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Export a drafter folder in the format vLLM's DFlash speculative decoding loads (`/work/coord/FORMAT.md` §2).
+"""Export a drafter folder in the format vLLM's DFlash speculative decoding loads (`docs/formats.md`).
 
     hf-retrace export --format vllm --drafter model_cards/smollm2-135m-retrace --output /tmp/retrace-vllm
 
@@ -20,8 +20,7 @@ What the folder holds:
 - `model.safetensors`: the backbone under the drafter's own keys (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`); with
   a reduced vocabulary `lm_head.weight` (the target's head rows at `draft_vocab_ids`) and `d2t`; the anchor term
   `anchor_broadcast.weight`; the ReTrace modules `retrace.*` when retrace_mode is not off.
-- `datastore.safetensors`: the drafter's, copied byte for byte (written, for a drafter saved when the datastore was
-  kept inside model.safetensors).
+- `datastore.safetensors`: the drafter's, copied byte for byte.
 - `model.safetensors.index.json`: names `model.safetensors` as the file of every weight. vLLM's loader reads every
   `*.safetensors` in a local folder unless an index says which hold weights, and would fail on the datastore's
   `token_ids` ("no module or parameter named 'token_ids'") in a plain `DFlashDraftModel` folder.
@@ -31,37 +30,25 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from ..models.datastore_file_retrace import DATASTORE_FILE, save_datastore_file
+from ..models.datastore_file_retrace import DATASTORE_FILE
+from ..models.policy_settings_retrace import RETRACE_MODES, export_policy
 
 
 logger = logging.get_logger(__name__)
 
 PLAIN_ARCHITECTURE = "DFlashDraftModel"  # vLLM's own DFlash drafter (qwen3_dflash.py)
 RETRACE_ARCHITECTURE = "DFlashReTraceDraftModel"  # registered by the hf-retrace-vllm plugin
-# The modes the plugin implements; a mode added to the drafter later must be added there before it exports.
-VLLM_RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
+# The modes the plugin implements: the shared `RETRACE_MODES`, which the plugin runs from its own copy of the file.
+VLLM_RETRACE_MODES = RETRACE_MODES
 _BACKBONE_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")
 _RETRACE_KEYS = ("retrace.correction.weight", "retrace.gate", "retrace.value_proj.weight")
 _NOT_EXPORTED = ("draft_vocab_ids",)  # mapped to `d2t`
-# The decoding policy: generation_config.json name (FORMAT.md §1) -> name in the export's `hf_retrace` block (§2).
-# `draft_logits_dtype` stays out: in vLLM the draft head runs in the engine's dtype.
-_POLICY_EXPORT_NAMES = {
-    "num_assistant_tokens": "num_assistant_tokens",
-    "assistant_confidence_threshold": "assistant_confidence_threshold",
-    "prompt_lookup_num_tokens": "prompt_lookup_num_tokens",
-    "max_matching_ngram_size": "prompt_lookup_max_ngram_size",
-    "prompt_lookup_min_ngram_size": "prompt_lookup_min_ngram_size",
-    "datastore_num_tokens": "datastore_num_tokens",
-    "datastore_max_ngram_size": "datastore_max_ngram_size",
-    "datastore_min_ngram_size": "datastore_min_ngram_size",
-}
 
 
 class ExportError(ValueError):
@@ -125,11 +112,11 @@ def vllm_config(
     drafter_config, policy: dict, *, dtype: torch.dtype, num_target_layers: int | None = None,
     datastore_file: str | None = None, source_commit: str | None = None,
 ) -> dict:  # fmt: skip
-    """The export's `config.json` (FORMAT.md §2).
+    """The export's `config.json` (`docs/formats.md`).
 
     Args:
         drafter_config ([`ReTraceDrafterConfig`]): the drafter's config.
-        policy (`dict`): the decoding policy under its generation_config.json names, as `_decoding_policy` returns it.
+        policy (`dict`): the decoding policy under its `hf_retrace` block names, as `_decoding_policy` returns it.
         dtype (`torch.dtype`): the dtype of the exported float tensors.
         num_target_layers (`int`, *optional*): depth of the target; defaults to the drafter's `num_target_layers`.
         datastore_file (`str`, *optional*): `"datastore.safetensors"` when the export holds one.
@@ -167,7 +154,7 @@ def vllm_config(
     config["hf_retrace"] = {
         "anchor_broadcast": bool(drafter_config.anchor_broadcast),
         "retrace_mode": drafter_config.retrace_mode,
-        **{_POLICY_EXPORT_NAMES[key]: value for key, value in policy.items()},
+        **policy,
         "datastore_file": datastore_file,
         "source_commit": source_commit,
     }
@@ -175,7 +162,7 @@ def vllm_config(
 
 
 def vllm_state_dict(drafter, target_head: torch.Tensor | None, dtype: torch.dtype | None = None) -> dict:
-    """The export's `model.safetensors` tensors (FORMAT.md §2).
+    """The export's `model.safetensors` tensors (`docs/formats.md`).
 
     Args:
         drafter ([`ReTraceDrafterModel`]): the drafter.
@@ -252,14 +239,14 @@ def export_for_vllm(
     head, num_target_layers = _target_head(drafter.config, target)
     dtype = drafter.fc.weight.dtype if dtype is None else dtype
     tensors = vllm_state_dict(drafter, head, dtype)
-    has_datastore = (drafter_dir / DATASTORE_FILE).is_file() or drafter.datastore_tokens is not None
+    has_datastore = (drafter_dir / DATASTORE_FILE).is_file()
     config = vllm_config(
         drafter.config, _decoding_policy(drafter), dtype=dtype, num_target_layers=num_target_layers,
         datastore_file=DATASTORE_FILE if has_datastore else None, source_commit=_source_commit(),
     )  # fmt: skip
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    _write_datastore(drafter, drafter_dir, output_dir)
+    _write_datastore(drafter_dir, output_dir)
     save_file(tensors, output_dir / "model.safetensors", metadata={"format": "pt"})
     _write_weight_index(tensors, output_dir)
     (output_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -284,22 +271,19 @@ def _target_head(drafter_config, target) -> tuple[torch.Tensor | None, int | Non
 
 
 def _decoding_policy(drafter) -> dict:
-    """The drafter's decoding policy under its generation_config.json names, validated and with unset values filled
-    in (`drafter.decoding_settings()`; `num_assistant_tokens` unset is all `block_size - 1` drafts, written as that
-    number). A drafter saved before generation_config.json has its config.json settings moved over on load."""
-    settings = asdict(drafter.decoding_settings())
-    return {key: settings[key] for key in _POLICY_EXPORT_NAMES}
+    """The drafter's decoding policy under its `hf_retrace` block names ([`export_policy`]: every exported setting of
+    the drafter and of each registered candidate source), validated and with unset values filled in
+    (`drafter.decoding_settings()`; `num_assistant_tokens` unset is all `block_size - 1` drafts, written as that
+    number)."""
+    return export_policy(drafter.decoding_settings())
 
 
-def _write_datastore(drafter, drafter_dir: Path, output_dir: Path) -> None:
-    """Copies the drafter folder's `datastore.safetensors` byte for byte into `output_dir`; a drafter whose datastore
-    is still inside model.safetensors (the layout before datastore.safetensors, loaded into `datastore_tokens`) gets
-    the file written by the drafter's own writer."""
+def _write_datastore(drafter_dir: Path, output_dir: Path) -> None:
+    """Copies the drafter folder's `datastore.safetensors` byte for byte into `output_dir` (or removes one an earlier
+    export left there)."""
     source, destination = drafter_dir / DATASTORE_FILE, output_dir / DATASTORE_FILE
     if source.is_file():
         shutil.copyfile(source, destination)
-    elif drafter.datastore_tokens is not None:
-        save_datastore_file(destination, drafter.datastore_tokens, drafter.config.vocab_size)
     elif destination.exists():  # left by an earlier export into this folder (`overwrite`)
         destination.unlink()
 

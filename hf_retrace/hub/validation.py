@@ -21,9 +21,9 @@ from ..models.modeling_retrace import ReTraceDrafterModel
 # every Hub file of `hf_retrace.models`: `modeling_retrace.py` imports the others (transitively), and
 # `register_for_auto_class` copies them all; `tests/test_hub.py` checks this list is that import closure
 CODE_FILES = (
-    "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "candidates_retrace.py",
+    "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "sources_retrace.py",
     "decoding_retrace.py", "draft_head_retrace.py", "hook_retrace.py", "drafter_files_retrace.py",
-    "datastore_retrace.py", "datastore_file_retrace.py",
+    "lookup_retrace.py", "datastore_file_retrace.py", "policy_settings_retrace.py",
 )  # fmt: skip
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 

@@ -1,16 +1,15 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports transformers and `.decoding_retrace` only, so `trust_remote_code=True` loads it without
+# Hub file: imports transformers and `.policy_settings_retrace` only, so `trust_remote_code=True` loads it without
 # hf_retrace installed.
 """Configuration of the ReTrace drafter: a DFlash block drafter plus rejected-trajectory conditioning."""
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
-from .decoding_retrace import LEGACY_CONFIG_KEYS
+from .policy_settings_retrace import RETRACE_MODES
 
 
-RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -65,8 +64,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
 
     Decoding settings (`num_assistant_tokens`, the confidence stop, prompt and datastore lookup, `draft_logits_dtype`)
     are not part of this config: they live in the drafter's `generation_config` (`generation_config.json`, see
-    `decoding_retrace`), and the datastore in `datastore.safetensors`. An old `config.json` that still carries them
-    loads: `ReTraceDrafterModel` moves them over, with one deprecation warning.
+    `decoding_retrace`), and the datastore in `datastore.safetensors`.
     """
 
     model_type = "retrace_drafter"
@@ -106,12 +104,7 @@ class ReTraceDrafterConfig(PreTrainedConfig):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self._check_values()
-        # An old config.json's decoding settings: PreTrainedConfig drops the ones named like transformers' generation
-        # parameters (`num_assistant_tokens`, ...), so they are kept aside here for ReTraceDrafterModel to move over.
-        legacy = {key: kwargs.pop(key) for key in (*LEGACY_CONFIG_KEYS, "datastore_size") if key in kwargs}
         super().__post_init__(**kwargs)
-        for key, value in legacy.items():
-            setattr(self, key, value)
 
     def _check_values(self):
         if self.retrace_mode not in RETRACE_MODES:

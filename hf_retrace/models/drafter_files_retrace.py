@@ -1,12 +1,11 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch, transformers and the Hub files `.datastore_file_retrace`, `.datastore_retrace`,
+# Hub file: imports torch, transformers and the Hub files `.datastore_file_retrace`, `.lookup_retrace`,
 # `.decoding_retrace` only, so `trust_remote_code=True` loads it.
 """What a drafter keeps beside its weights: its decoding settings (`generation_config.json`, `decoding_retrace`) and
 its datastore (`datastore.safetensors`, `datastore_file_retrace`). [`ReTraceDrafterFilesMixin`] gives
 `ReTraceDrafterModel` their in-memory form (`generation_config`, `datastore_tokens`), saving and loading."""
 
-import json
 import os
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from transformers import GenerationConfig
 from transformers.utils import cached_file
 
 from .datastore_file_retrace import DATASTORE_FILE, SEPARATOR, load_datastore_file, save_datastore_file
-from .datastore_retrace import NgramDatastore
 from .decoding_retrace import (
     DECODING_DEFAULTS,
     ReTraceDecodingSettings,
@@ -23,9 +21,7 @@ from .decoding_retrace import (
     drafter_generation_config,
     resolve_decoding_settings,
 )
-
-
-LEGACY_DATASTORE_KEY = "datastore_token_ids"  # where old checkpoints kept the datastore, in model.safetensors
+from .lookup_retrace import NgramDatastore
 
 
 class ReTraceDrafterFilesMixin:
@@ -60,7 +56,7 @@ class ReTraceDrafterFilesMixin:
             raise ValueError("this drafter has no datastore: attach one with `set_datastore(responses)`")
         index = self._datastore_index
         if index is None or (index.ngram_sizes[0], index.ngram_sizes[-1]) != (max_ngram_size, min_ngram_size):
-            index = NgramDatastore(self.datastore_tokens, num_tokens, max_ngram_size, min_ngram_size)
+            index = NgramDatastore(self.datastore_tokens.numpy(), num_tokens, max_ngram_size, min_ngram_size)
             self._datastore_index = index
         index.num_tokens = num_tokens
         return index
@@ -91,17 +87,12 @@ class ReTraceDrafterFilesMixin:
         self.generation_config.save_pretrained(save_directory)
         datastore_file = Path(save_directory) / DATASTORE_FILE
         if self.datastore_tokens is not None:
-            save_datastore_file(datastore_file, self.datastore_tokens, self.config.vocab_size)
+            save_datastore_file(datastore_file, self.datastore_tokens.numpy(), self.config.vocab_size)
         elif datastore_file.is_file():
             datastore_file.unlink()
 
     def _load_decoding_files(self, path, hub_kwargs: dict) -> None:
-        """After the weights: `generation_config.json` and `datastore.safetensors` of `path` (folder or repo), or
-        the datastore an old checkpoint kept in model.safetensors."""
-        legacy = self._buffers.pop(LEGACY_DATASTORE_KEY, None)
-        if legacy is not None:
-            # a buffer the weights lack loads as whatever memory it got, possibly a freed valid datastore's bytes
-            self._set_loaded_datastore(legacy.cpu().to(torch.int32) if _has_weight(path, hub_kwargs) else legacy[:0])
+        """After the weights: `generation_config.json` and `datastore.safetensors` of `path` (folder or repo)."""
         settings_file = _cached_file(path, "generation_config.json", hub_kwargs)
         if settings_file is not None:
             # the decoding keys only (the drafter never generates on its own); a missing or null key is its default
@@ -110,30 +101,9 @@ class ReTraceDrafterFilesMixin:
             self.generation_config = drafter_generation_config(**{k: v for k, v in found.items() if v is not None})
         datastore_file = _cached_file(path, DATASTORE_FILE, hub_kwargs)
         if datastore_file is not None:
-            self._set_loaded_datastore(load_datastore_file(datastore_file, self.config.vocab_size))
+            ids = load_datastore_file(datastore_file, self.config.vocab_size)  # checked: checksum, vocabulary
+            self.datastore_tokens, self._datastore_index = torch.from_numpy(ids), None
         self.decoding_settings()  # a folder whose settings cannot run fails here, not at the first generate
-
-    def _set_loaded_datastore(self, ids: torch.Tensor) -> None:
-        # an old checkpoint missing its buffer loads it uninitialised: catch that before garbage ids reach the target
-        if len(ids) == 0 or ids[-1] != SEPARATOR or ids.min() < SEPARATOR or ids.max() >= self.config.vocab_size:
-            raise ValueError(
-                f"the checkpoint's datastore ({len(ids)} tokens) is not a datastore: it lacks or corrupts it. Attach "
-                "the responses again with `set_datastore(responses)` or `hf-retrace datastore`."
-            )
-        self.datastore_tokens, self._datastore_index = ids, None
-
-
-def _has_weight(path, hub_kwargs: dict, key: str = LEGACY_DATASTORE_KEY) -> bool:
-    """Whether the safetensors weights of `path` hold `key` (`True` when there are none to read: other formats)."""
-    index = _cached_file(path, "model.safetensors.index.json", hub_kwargs)
-    if index is not None:
-        with open(index, encoding="utf-8") as f:
-            return key in json.load(f)["weight_map"]
-    weights = _cached_file(path, "model.safetensors", hub_kwargs)
-    if weights is None:
-        return True
-    with open(weights, "rb") as f:  # a safetensors file starts with its u64 header length, then the JSON header
-        return key in json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
 def _cached_file(path, name: str, hub_kwargs: dict) -> str | None:
@@ -145,4 +115,4 @@ def _cached_file(path, name: str, hub_kwargs: dict) -> str | None:
     return cached_file(path, name, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
 
 
-__all__ = ["LEGACY_DATASTORE_KEY", "ReTraceDrafterFilesMixin"]
+__all__ = ["ReTraceDrafterFilesMixin"]

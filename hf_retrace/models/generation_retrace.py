@@ -1,13 +1,15 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Hub file: imports torch, transformers and the Hub files `.candidates_retrace`, `.decoding_retrace`,
-# `.draft_head_retrace` only, so `trust_remote_code=True` loads it. The generate hook is in `hook_retrace`.
+# Hub file: imports torch, transformers and the Hub files `.sources_retrace`, `.policy_settings_retrace`,
+# `.decoding_retrace`, `.draft_head_retrace` only, so `trust_remote_code=True` loads it. The generate hook is in
+# `hook_retrace`.
 """ReTrace speculative decoding on top of transformers' in-tree DFlash candidate generator.
 
 Round r drafts the block `[a, d1 .. d_{B-1}]` at positions `p .. p+B-1`; the target accepts `d1..dn` and commits
 its correction `c` at `p+n+1`, the next anchor. ReTrace keeps the drafter states of slots `j = n+2 .. B-1`
 (`L = B-2-n` of them) and feeds them to the next round's mask slots `1 .. L` (same absolute positions), together
-with the target features of verification position `j-1`, the one that scored draft `d_j` (DESIGN §1.1).
+with the target features of verification position `j-1`, the one that scored draft `d_j` (`docs/design.md`, "A
+cycle").
 """
 
 from dataclasses import dataclass, field
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
-from .candidates_retrace import CandidateSource, candidate_sources
 from .decoding_retrace import ReTraceDecodingSettings
 from .draft_head_retrace import draft_lm_head
+from .policy_settings_retrace import num_confident
+from .sources_retrace import CandidateSource, candidate_sources, propose_from_sources
 
 
 @dataclass
@@ -113,7 +116,7 @@ class ReTraceGenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verification cycle (DESIGN §4)."""
+        """Mean tokens committed per verification cycle, the bonus or correction token included."""
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
     @property
@@ -176,7 +179,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.settings = settings
         self.num_assistant_tokens = settings.num_assistant_tokens
         self.confidence_threshold = settings.assistant_confidence_threshold
-        self.sources: list[CandidateSource] = candidate_sources(assistant_model, settings)
+        self.sources: list[CandidateSource] = candidate_sources(settings, assistant_model)  # the drafter: datastore
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
@@ -269,13 +272,14 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         """`(source, [1, T + m])`: the first source that proposes, and the context with its `m` candidates; `None`
         when no source is on or proposes, or there is no room left."""
         room = self.main_model_max_length - input_ids.shape[1] - 1
-        if room <= 0:
+        if room <= 0 or not self.sources:
             return None
-        for source in self.sources:
-            tokens = source.propose(input_ids[0], room)
-            if tokens is not None:
-                return source, torch.cat([input_ids, tokens[None].to(input_ids.device)], dim=1)
-        return None
+        # the sources are host-side bookkeeping on numpy (the same code the vLLM plugin runs): one copy of the ids
+        source, tokens = propose_from_sources(self.sources, input_ids[0].cpu().numpy(), room)
+        if source is None:
+            return None
+        candidates = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, m]
+        return source, torch.cat([input_ids, candidates], dim=1)
 
     def _concatenated_features(self, model_outputs) -> torch.Tensor:
         """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
@@ -290,12 +294,7 @@ def stop_at_low_confidence(
     context_length: int, candidate_ids: torch.LongTensor, candidate_logits: torch.Tensor, threshold: float
 ) -> tuple[torch.LongTensor, torch.Tensor | None]:
     """Keeps the drafts before the first slot whose draft distribution peaks below `threshold` (transformers'
-    `assistant_confidence_threshold`), so a cycle verifies no more tokens than its drafter believes in.
-
-    The confidence of slot `j` is the drafter's top-1 probability there: for greedy drafts, the drafted token's
-    probability. Under sampling it does not depend on the sampled token (DFlash computes every slot's distribution in
-    one forward), which keeps speculative sampling exact; a stop that looked at the sampled token's own probability
-    would bias it.
+    `assistant_confidence_threshold`): the rule is [`num_confident`], shared with the vLLM plugin.
 
     Args:
         context_length (`int`): `T`, the committed tokens that `candidate_ids` starts with.
@@ -307,7 +306,7 @@ def stop_at_low_confidence(
         when `j = 0`, which transformers runs as a plain target step.
     """
     confidence = candidate_logits.float().softmax(-1).amax(-1)  # [1, k]
-    keep = int((confidence >= threshold).int().cumprod(dim=-1).sum())  # one host sync per cycle: the verified length
+    keep = int(num_confident(confidence[0].cpu().numpy(), threshold))  # one host sync per cycle: the verified length
     if keep == 0:
         return candidate_ids[:, :context_length], None
     return candidate_ids[:, : context_length + keep], candidate_logits[:, :keep]

@@ -23,12 +23,11 @@ from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant 
 from transformers.utils import cached_file
 
 from .configuration_retrace import RETRACE_MODES, ReTraceDrafterConfig, default_target_layer_ids
-from .datastore_file_retrace import SEPARATOR
-from .datastore_retrace import NgramDatastore
-from .decoding_retrace import drafter_generation_config, pop_legacy_settings
-from .drafter_files_retrace import LEGACY_DATASTORE_KEY, ReTraceDrafterFilesMixin
+from .decoding_retrace import drafter_generation_config
+from .drafter_files_retrace import ReTraceDrafterFilesMixin
 from .generation_retrace import ReTraceConditioning
 from .hook_retrace import install_generate_hook  # noqa: F401  (importing the hook file installs the generate hook)
+from .lookup_retrace import NgramDatastore
 
 
 class ReTraceDrafterDecoderLayer(MuseGlimmerAssistantDecoderLayer):
@@ -39,7 +38,7 @@ class ReTraceDrafterDecoderLayer(MuseGlimmerAssistantDecoderLayer):
 
 
 class ReTraceTrajectoryEncoder(nn.Module):
-    """Turns retained rejected states into an additive input for the mask slots (paper Sec. 3, DESIGN §1.2).
+    """Turns retained rejected states into an additive input for the mask slots (paper Sec. 3; `docs/design.md`, "A cycle").
 
         t_j  = ctx_proj(target_features_j)            # the drafter's own fc + hidden_norm
         h~_j = h_j + beta * W_c([h_j ; t_j])          # target-aware correction (mode `corrected` only)
@@ -146,10 +145,7 @@ class ReTraceDrafterModel(ReTraceDrafterFilesMixin, ReTraceDrafterPreTrainedMode
 
     def __init__(self, config: ReTraceDrafterConfig):
         super().__init__(config)
-        # an old config.json's decoding settings go to the generation config (`from_pretrained` then reads
-        # generation_config.json over them), its datastore length to the buffer `_adopt_legacy_datastore` reads
-        legacy_settings, legacy_datastore_size = pop_legacy_settings(config)
-        self.generation_config = drafter_generation_config(**legacy_settings)
+        self.generation_config = drafter_generation_config()  # `from_pretrained` reads generation_config.json over it
         ctx_dim = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(ctx_dim, config.hidden_size, bias=False)
         # `fc` + `hidden_norm` compute what the in-tree `MuseGlimmerAssistantContextProjection` does, under the
@@ -168,9 +164,6 @@ class ReTraceDrafterModel(ReTraceDrafterFilesMixin, ReTraceDrafterPreTrainedMode
             self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_vocab_ids = None
-        if legacy_datastore_size is not None:  # old checkpoints kept the datastore in model.safetensors
-            empty = torch.full((legacy_datastore_size,), SEPARATOR, dtype=torch.int32)
-            self.register_buffer(LEGACY_DATASTORE_KEY, empty, persistent=True)
         # `[S]` int32 CPU response tokens for datastore lookup, SEPARATOR between responses (`set_datastore`,
         # datastore.safetensors); not a buffer, so it stays out of model.safetensors
         self.datastore_tokens: torch.Tensor | None = None

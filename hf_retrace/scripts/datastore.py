@@ -6,14 +6,12 @@ front of the drafter (`generation_config.datastore_num_tokens`).
 
 The responses go to `datastore.safetensors` beside the weights (uint16 for vocabularies up to 65535 tokens, ~2 bytes
 per token), the lookup settings to `generation_config.json`; `model.safetensors` and `config.json` are not rewritten
-(with `--output` another folder, they are copied byte for byte). A drafter folder of the old layout (settings in
-config.json, the datastore inside model.safetensors) is re-saved once in the new one instead. The n-gram index is
-built when the drafter first generates (~1 s per n-gram size per million tokens). `--pool DIR[:END]` uses the first
-`END` rows of a pool folder only, so rows held out for evaluation stay out.
+(with `--output` another folder, they are copied byte for byte). The n-gram index is built when the drafter first
+generates (~1 s per n-gram size per million tokens). `--pool DIR[:END]` uses the first `END` rows of a pool folder
+only, so rows held out for evaluation stay out.
 """
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -42,9 +40,8 @@ def attach_datastore(folder, output, responses: list[list[int]], **settings) -> 
     drafter's `generation_config`, e.g. `datastore_num_tokens=3`) to `output` (may be `folder`).
 
     Only `datastore.safetensors` and `generation_config.json` are written; the other files of `folder` are copied
-    unchanged when `output` is another folder. An old-layout folder is re-saved in the new layout instead.
+    unchanged when `output` is another folder.
     """
-    from ..models.decoding_retrace import LEGACY_CONFIG_KEYS
     from ..models.modeling_retrace import ReTraceDrafterModel
 
     folder, output = Path(folder), Path(output)
@@ -53,10 +50,6 @@ def attach_datastore(folder, output, responses: list[list[int]], **settings) -> 
     for key, value in settings.items():
         setattr(drafter.generation_config, key, value)
     drafter.decoding_settings()  # bad settings fail before anything is written
-    raw = json.loads((folder / "config.json").read_text())
-    if any(key in raw for key in (*LEGACY_CONFIG_KEYS, "datastore_size")):
-        drafter.save_pretrained(output)  # the old layout: model.safetensors loses the datastore once
-        return
     if output.resolve() != folder.resolve():
         shutil.copytree(folder, output, dirs_exist_ok=True)
     drafter.save_pretrained_decoding_files(output)

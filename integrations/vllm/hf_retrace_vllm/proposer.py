@@ -4,9 +4,10 @@ Each engine step, for every request in the batch (in this order):
 1. Bookkeeping of the cycle just verified: the target ran `[a, d1 .. dm]` (padded mode keeps the rows of rejected
    drafts), `n` drafts were accepted. If the `m` drafts came from the drafter and ReTrace is on, the retained
    rejected suffix (slots `j = n+2 .. m`, `L = m-1-n` of them) and the target's features at verification rows
-   `j-1` become the next block's conditioning of mask slots `1..L` (DESIGN §1.1; the same slots as the transformers
+   `j-1` become the next block's conditioning of mask slots `1..L` (the same slots as the transformers
    side's `build_rejected_trajectory`, with `B` there being the verified length `m+1`).
-2. Proposal from the committed context: prompt lookup, else the datastore walk, else the drafter.
+2. Proposal from the committed context: the candidate sources in registry order (prompt lookup, else the datastore
+   walk: `policy.lookup`), else the drafter.
 3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks), of
    which the first `k` drafts are proposed. The target's features of every committed position are written to the
    drafter's context K/V cache every step, lookup cycles included, so a lookup never leaves a hole in its context.
@@ -23,9 +24,8 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from .datastore import Datastore, load_datastore_file
 from .model import BlockConditioning
-from .policy import DraftPolicy, prompt_lookup
+from .policy import DraftPolicy, lookup, policy_sources
 from .stats import ProposerStats
 
 
@@ -71,14 +71,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             )  # fmt: skip
         self.num_drafts_verified = min(self.max_verified, self.policy.num_assistant_tokens)
         self._size_for_block()
-        self.datastore = None
-        if self.policy.datastore_num_tokens is not None:
-            path = f"{self.draft_model_config.model}/{self.policy.datastore_file}"
-            ids = load_datastore_file(path, self.draft_model_config.hf_config.vocab_size)
-            self.datastore = Datastore(
-                ids, self.policy.datastore_num_tokens, self.policy.datastore_max_ngram_size,
-                self.policy.datastore_min_ngram_size,
-            )  # fmt: skip
+        vocab_size = self.draft_model_config.hf_config.vocab_size
+        self.sources = policy_sources(self.policy, self.draft_model_config.model, vocab_size)  # index built here
         self.uses_retrace = self.policy.retrace_mode != "off"
         self.pending: dict[str, _Pending] = {}  # by request id; dropped when the request leaves the runner
         self.stats = ProposerStats()
@@ -205,19 +199,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         return limit - num_tokens - 1
 
     def _lookup(self, tokens: np.ndarray, max_tokens: int) -> tuple[list[int] | None, str]:
-        policy = self.policy
-        if policy.prompt_lookup_num_tokens is not None:
-            found = prompt_lookup(
-                tokens, min(policy.prompt_lookup_num_tokens, max_tokens), policy.prompt_lookup_max_ngram_size,
-                policy.prompt_lookup_min_ngram_size,
-            )  # fmt: skip
-            if found:
-                return found, "lookup"
-        if self.datastore is not None:
-            found = self.datastore.walk(tokens, max_tokens)
-            if found:
-                return found, "datastore"
-        return None, "draft"
+        return lookup(self.sources, tokens, max_tokens)  # the shared candidate sources, vLLM-free (policy.py)
 
     def _run_block(
         self, drafting, proposals, conditioning, req_ids, target_token_ids, next_token_ids, target_positions,
