@@ -1,0 +1,134 @@
+"""The step-cost model: monotone curves fitted from a profile, refreshed online without being wrecked by outliers,
+cached per host and configuration, refused (re-measured) when the file is another host's, an error when corrupt."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from hf_retrace.models.cost_model_retrace import (
+    CostCurve,
+    StepCostModel,
+    cpu_model,
+    default_cache_path,
+    host_key,
+    measure,
+)
+
+
+def _model(**kwargs):
+    # the vLLM compiled numbers on 2 cores: t(1) = 19.2 ms, t(8) = 38.8 ms
+    return StepCostModel.fit([(1, 0.0192), (8, 0.0388)], [(16, 0.004), (128, 0.032)], **kwargs)
+
+
+def _key(**overrides):
+    fields = dict(engine="vllm", target_id="Qwen/Qwen3-0.6B", dtype="float32", num_threads=2, compiled=True)
+    return host_key(**(fields | overrides))
+
+
+def test_curve_interpolates_extrapolates_and_costs_nothing_at_zero():
+    curve = CostCurve([1, 8], [0.0192, 0.0388])
+    assert curve(0) == 0.0
+    assert curve(1) == pytest.approx(0.0192) and curve(8) == pytest.approx(0.0388)
+    assert curve(2) == pytest.approx(0.0220)  # 2.8 ms a row
+    assert curve(16) == pytest.approx(0.0388 + 8 * 0.0028)  # the last slope continues
+    assert curve(0.5) == pytest.approx(0.0192)  # below the first knot: its time
+    np.testing.assert_allclose(curve(np.array([1, 8])), [0.0192, 0.0388])
+    assert CostCurve([16], [0.004])(32) == pytest.approx(0.008)  # one knot: proportional
+
+
+def test_marginal_row_cost_is_the_slope():
+    model = _model()
+    assert model.marginal_row_cost(1) == pytest.approx(0.0028)
+    assert model.step_seconds(8, 0) == pytest.approx(0.0388)
+    assert model.step_seconds(8, 128) == pytest.approx(0.0388 + 0.032)
+    assert model.drafter_seconds(0) == 0.0
+
+
+def test_fit_takes_medians_and_makes_the_curve_monotone():
+    samples = [(1, 0.010), (1, 0.011), (1, 0.500), (2, 0.012), (4, 0.011), (4, 0.0112), (8, 0.020)]
+    curve = CostCurve.fit(samples)
+    assert curve.sizes.tolist() == [1, 2, 4, 8]
+    assert curve.seconds[0] == pytest.approx(0.011)  # the 0.5 s outlier is one of three: the median ignores it
+    assert np.all(np.diff(curve.seconds) >= 0)  # 4 rows measured faster than 2: pooled, never cheaper
+    assert curve.seconds[1] == pytest.approx(curve.seconds[2])
+
+
+@pytest.mark.parametrize("sizes, seconds", [([], []), ([1, 1], [0.1, 0.2]), ([0, 1], [0.1, 0.2]), ([1], [-1.0])])
+def test_invalid_curves_are_refused(sizes, seconds):
+    with pytest.raises(ValueError):
+        CostCurve(sizes, seconds)
+
+
+def test_observe_converges_to_the_host_and_shrugs_off_outliers():
+    model = _model(alpha=0.1)
+    for _ in range(200):  # this host is 25% slower than the profile said
+        model.observe(4, 0, 1.25 * 0.0276)
+    assert model.target_seconds(4) == pytest.approx(1.25 * 0.0276, rel=0.03)
+    before = model.target_seconds(4)
+    model.observe(4, 0, 10.0)  # a stalled step (page fault, another process)
+    assert model.target_seconds(4) <= before * (1 + 0.1 * 0.5) + 1e-12
+    assert np.all(np.diff(model.target.seconds) >= 0)
+
+
+def test_observe_outside_the_profile_adds_a_knot_and_splits_drafter_time():
+    model = _model(alpha=1.0)
+    model.observe(64, 0, 0.250)
+    assert 64 in model.target.sizes and model.target_seconds(64) > 0.0388
+    t, d = model.target_seconds(8), model.drafter_seconds(128)
+    model.observe(8, 128, 2 * (t + d))  # twice the prediction, no drafter timing: both parts scale
+    assert model.target_seconds(8) / t == pytest.approx(model.drafter_seconds(128) / d, rel=1e-6)
+    model.observe(8, 128, 0.06, drafter_seconds=0.01)  # timed apart: the drafter's own time
+    assert model.num_observed == 3
+
+
+def test_measure_times_each_size(monkeypatch):
+    calls = []
+    samples = measure(calls.append, [1, 4], repeats=2, warmup=1)
+    assert calls == [1, 1, 1, 4, 4, 4] and [s for s, _ in samples] == [1, 1, 4, 4]
+    assert all(t >= 0 for _, t in samples)
+
+
+def test_host_key_names_the_cpu_and_cache_path(monkeypatch, tmp_path):
+    key = _key()
+    assert key.cpu == cpu_model() and key.cpu
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
+    path = default_cache_path(key)
+    assert path.parent == tmp_path / "cost" and path.name == f"vllm-{key.digest()}.json"
+    assert _key(compiled=False).digest() != key.digest()
+
+
+def test_save_load_round_trip(tmp_path):
+    model, key = _model(), _key()
+    model.observe(3, 0, 0.03)
+    model.save(tmp_path / "cost.json", key)
+    loaded = StepCostModel.load(tmp_path / "cost.json", key)
+    np.testing.assert_allclose(loaded.target.seconds, model.target.seconds)
+    np.testing.assert_allclose(loaded.drafter.sizes, model.drafter.sizes)
+    assert StepCostModel.load(tmp_path / "missing.json", key) is None
+
+
+@pytest.mark.parametrize("field, value", [("cpu", "Another CPU @ 9 GHz"), ("compiled", False), ("num_threads", 8)])
+def test_a_file_from_another_host_or_config_is_refused(tmp_path, caplog, field, value):
+    path = tmp_path / "cost.json"
+    _model().save(path, _key())
+    payload = json.loads(path.read_text())
+    payload["key"][field] = value
+    path.write_text(json.dumps(payload))
+    with caplog.at_level(logging.WARNING):
+        assert StepCostModel.load(path, _key()) is None
+    assert field in caplog.text and "re-measuring" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": "other"}', "[]",
+                                  '{"format": "hf_retrace-step-cost", "version": 1, "key": {}, "target": 3}'])
+def test_a_corrupt_file_raises(tmp_path, text):
+    path = tmp_path / "cost.json"
+    path.write_text(text)
+    key = _key()
+    if "target" in text:  # a well-formed header for this key, broken knots
+        payload = json.loads(text) | {"key": json.loads(json.dumps(key.__dict__)), "drafter": [[16, 0.004]]}
+        path.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="step-cost file"):
+        StepCostModel.load(path, key)
