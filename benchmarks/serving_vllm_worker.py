@@ -2,20 +2,26 @@
 
     .venv-vllm/bin/python benchmarks/serving_vllm_worker.py --target DIR [--speculative-config JSON] [--compile]
 
-Protocol: after the engine is up, the worker writes `{"ready": true, ...}`; then, for each request line on stdin,
-one reply line on stdout:
+Protocol: after the engine is up, the worker writes `{"ready": true, "preloaded": {...}, ...}` (`preloaded`: whether
+tcmalloc and Intel OpenMP are mapped in this process, i.e. whether `LD_PRELOAD` took); then, for each request line
+on stdin, one reply line on stdout:
 
-    {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64}
-      -> {"outputs": [{"token_ids": [...], "cycles": [n, ...]}, ...], "seconds": s, "counters": {...}}
+    {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64, "sampling": null}
+      -> {"outputs": [{"token_ids": [...], "cycles": [n, ...]}, ...], "seconds": s, "counters": {...}, "peaks": {...}}
     {"cmd": "quit"} -> {"bye": true}, then exit
+
+`sampling`: null for greedy, or `{"temperature": t, "seeds": [one per prompt]}` (plain temperature sampling: no
+top-k, no top-p; each request seeded, so a rerun draws the same).
 
 All prompts of one `generate` are submitted at once (concurrency = len(prompts)) and stepped to completion.
 `cycles` are the tokens each engine step committed for that request (bonus included), read from per-step output
 deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
-with no truncation at `max_new_tokens` guessed. `counters` are the deltas of vLLM's own spec-decode counters over
-the call (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without
-speculation), a cross-check of the same thing from vLLM's side, plus, with the hf-retrace plugin's proposer, its
-cycles and committed tokens by source (`proposer_cycles_draft`, ...; from the file `HF_RETRACE_VLLM_STATS` names).
+with no truncation at `max_new_tokens` guessed. `counters` are deltas over the call: vLLM's own spec-decode counters
+(`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without speculation), the
+engine's steps and the wall time spent in them (`engine_steps`, `engine_step_s`), and, with the hf-retrace plugin's
+proposer (from the file `HF_RETRACE_VLLM_STATS` names): its cycles and committed tokens by source
+(`proposer_cycles_draft`, ...), its steps and the seconds of each timed part (`proposer_steps`,
+`proposer_s_<part>`). `peaks` are gauges read after the call (`online_datastore_bytes`, the proposer's peak).
 Everything vLLM prints goes to stderr: stdout carries only replies.
 """
 
@@ -46,41 +52,78 @@ def read_counters(engine) -> dict:
 PROPOSER_STATS_ENV = "HF_RETRACE_VLLM_STATS"  # the hf-retrace plugin's proposer writes its counters there (JSON)
 
 
-def read_proposer_stats() -> dict:
-    """The hf-retrace proposer's cycles and committed tokens by source (`lookup`, `datastore`, `draft`), flat:
-    `{"proposer_cycles_draft": n, "proposer_committed_draft": m, ...}`; empty without the plugin's proposer."""
+def read_proposer_stats() -> tuple[dict, dict]:
+    """The hf-retrace proposer's counters, flat, and its gauges; both empty without the plugin's proposer.
+
+    Counters: cycles and committed tokens by source (`lookup`, `datastore`, `draft`) as `proposer_cycles_draft`, ...;
+    when the proposer times its parts (stats fields `steps` and `timings`, name -> seconds in total),
+    `proposer_steps` and `proposer_s_<name>`. Gauges: `online_datastore_bytes` (peak) when written.
+    """
     path = os.environ.get(PROPOSER_STATS_ENV)
     if not path or not os.path.isfile(path):
-        return {}
+        return {}, {}
     with open(path) as f:
         stats = json.load(f)
-    return {f"proposer_{kind}_{source}": n for kind in ("cycles", "committed") for source, n in stats[kind].items()}
+    flat = {f"proposer_{kind}_{source}": n for kind in ("cycles", "committed") for source, n in stats[kind].items()}
+    if "steps" in stats:
+        flat["proposer_steps"] = stats["steps"]
+    flat |= {f"proposer_s_{name}": seconds for name, seconds in (stats.get("timings") or {}).items()}
+    peak = stats.get("online_datastore_bytes")
+    gauges = {} if peak is None else {"online_datastore_bytes": peak}
+    return flat, gauges
 
 
-def generate(engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Submits every prompt at once, steps the engine until all finish; greedy, `max_new_tokens` at most each."""
+def preloaded() -> dict:
+    """Whether tcmalloc and Intel OpenMP are mapped into this process (vLLM's CPU guide wants both preloaded)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return {"tcmalloc": "libtcmalloc" in maps, "iomp5": "libiomp5" in maps}
+
+
+def sampling_params(prompts: list, max_new_tokens: int, sampling: dict | None) -> list:
+    """One `SamplingParams` per prompt: greedy, or temperature sampling seeded per request."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, output_kind=RequestOutputKind.DELTA)
-    before = read_counters(engine) | read_proposer_stats()
+    delta = RequestOutputKind.DELTA
+    if sampling is None:
+        return [SamplingParams(temperature=0.0, max_tokens=max_new_tokens, output_kind=delta)] * len(prompts)
+    return [
+        SamplingParams(temperature=sampling["temperature"], top_p=1.0, top_k=0, seed=seed, max_tokens=max_new_tokens,
+                       output_kind=delta)  # fmt: skip
+        for seed in sampling["seeds"]
+    ]
+
+
+def generate(engine, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None) -> dict:
+    """Submits every prompt at once, steps the engine until all finish; `max_new_tokens` at most each."""
+    params = sampling_params(prompts, max_new_tokens, sampling)
+    before = read_counters(engine) | read_proposer_stats()[0]
     start = time.perf_counter()
     ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]  # outputs carry these (add_request's return
     steps = {rid: [] for rid in ids}  # value is vLLM's internal id)
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+    engine_steps, step_seconds = 0, 0.0
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_seconds += time.perf_counter() - step_start
+        engine_steps += 1
+        for output in outputs:
             new = len(output.outputs[0].token_ids)
             if new:  # a chunked-prefill step commits nothing
                 steps[output.request_id].append((new, output.outputs[0].token_ids))
     seconds = time.perf_counter() - start
-    after = read_counters(engine) | read_proposer_stats()
+    proposer, gauges = read_proposer_stats()
+    after = read_counters(engine) | proposer
+    counters = {k: v - before.get(k, 0) for k, v in after.items()}
+    counters |= {"engine_steps": engine_steps, "engine_step_s": step_seconds}
     outputs = []
     for rid in ids:
         tokens = [t for _, delta in steps[rid] for t in delta]
         outputs.append({"token_ids": tokens, "cycles": [n for n, _ in steps[rid][1:]]})  # [0]: the prefill's token
-    return {"outputs": outputs, "seconds": seconds, "counters": {k: v - before.get(k, 0) for k, v in after.items()}}
+    return {"outputs": outputs, "seconds": seconds, "counters": counters, "peaks": gauges}
 
 
 def main() -> None:
@@ -88,7 +131,7 @@ def main() -> None:
     parser.add_argument("--target", required=True, help="a save_pretrained folder vLLM can load")
     parser.add_argument("--speculative-config", default=None, help="JSON for vLLM's speculative_config")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--compile", action="store_true", help="torch.compile (default: enforce_eager)")
+    parser.add_argument("--compile", action="store_true", help="vLLM's default compiled mode (else enforce_eager)")
     args = parser.parse_args()
 
     reply_fd = os.dup(1)  # replies go here; vLLM's prints (and its engine process's) go to stderr
@@ -110,7 +153,8 @@ def main() -> None:
     import vllm
 
     engine = llm.llm_engine
-    ready = {"ready": True, "startup_s": time.perf_counter() - start, "vllm": vllm.__version__}
+    ready = {"ready": True, "startup_s": time.perf_counter() - start, "vllm": vllm.__version__,
+             "preloaded": preloaded(), "compiled": args.compile}  # fmt: skip
     replies.write(json.dumps(ready) + "\n")
     for line in sys.stdin:
         if not line.strip():
@@ -122,7 +166,8 @@ def main() -> None:
         if request["cmd"] != "generate":
             replies.write(json.dumps({"error": f"unknown cmd {request['cmd']!r}; expected generate or quit"}) + "\n")
             continue
-        replies.write(json.dumps(generate(engine, request["prompts"], request["max_new_tokens"])) + "\n")
+        reply = generate(engine, request["prompts"], request["max_new_tokens"], request.get("sampling"))
+        replies.write(json.dumps(reply) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ class ProposerStats:
         drafter_forwards (`int`): drafter forward passes (one per engine step that had a drafting request).
         conditioned_blocks (`int`): drafted blocks that received a ReTrace rejected trajectory.
         retained_slots (`int`): mask slots those blocks conditioned (sum of `L`).
+        steps (`int`): proposer calls timed through `record_step` (one per engine step).
+        timings (`dict[str, float]`): seconds spent in each timed part of those steps, in total (`policy`,
+            `drafter`, ...: the names are the proposer's), so `timings[name] / steps` is that part's time per step.
+        online_datastore_bytes (`int`, *optional*): the online datastore's peak size in bytes; `None` without one.
     """
 
     cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
@@ -32,10 +36,23 @@ class ProposerStats:
     drafter_forwards: int = 0
     conditioned_blocks: int = 0
     retained_slots: int = 0
+    steps: int = 0
+    timings: dict = field(default_factory=dict)
+    online_datastore_bytes: int | None = None
 
     def record(self, source: str, committed: int) -> None:
         self.cycles[source] += 1
         self.committed[source] += committed
+
+    def record_step(self, timings: dict[str, float]) -> None:
+        """Counts one proposer step and adds the seconds of its timed parts (`{"policy": s, "drafter": s, ...}`)."""
+        self.steps += 1
+        for name, seconds in timings.items():
+            self.timings[name] = self.timings.get(name, 0.0) + seconds
+
+    def record_online_datastore_bytes(self, num_bytes: int) -> None:
+        """Keeps the peak of the online datastore's size."""
+        self.online_datastore_bytes = max(self.online_datastore_bytes or 0, num_bytes)
 
     @property
     def tau(self) -> float:
