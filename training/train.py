@@ -11,7 +11,7 @@
 # ///
 
 """
-Train a DFlash or ReTrace drafter against a frozen target (DESIGN §3).
+Train a DFlash or ReTrace drafter against a frozen target (`docs/training.md`).
 
 # Tiny smoke run (seeded tiny random Qwen3 target, synthetic data; seconds on CPU)
 ```bash

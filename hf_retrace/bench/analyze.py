@@ -5,7 +5,7 @@ Usage:
 
     hf-retrace analyze --drafter drafters/smollm2-b16[:off] --prompt-sets gsm_symbolic:20 --max-new-tokens 256
 
-Alignment (DESIGN §1.1): round r has its anchor (last committed token) at absolute position p; drafted slot j
+Alignment (`docs/design.md`, "A cycle"): round r has its anchor (last committed token) at absolute position p; drafted slot j
 (1..B-1) predicts the token AT p+j. The target accepts d1..dn and rejects slot n+1. After generation the committed
 greedy sequence `s` is known, so n is the number of leading slots with `argmax_j == s[p+j]`, and for every slot
 j >= n+2 with p+j inside the generated text we ask whether `s[p+j]` is the drafter's top-1 / within its top-k.

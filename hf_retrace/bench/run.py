@@ -18,7 +18,7 @@ Prompt sets: `NAME[:COUNT]` with NAME a set of `hf_retrace.data.prompts.load_pro
 `>= 10000`), a `.jsonl` of `{"prompt"}`/`{"messages"}` records, or a `.jsonl` of `{"input_ids": [...]}` records
 (token ids used as is; for targets without a tokenizer).
 
-Measurement (DESIGN §4): every method runs on the same prompts in this process, interleaved (for each prompt, every
+Measurement: every method runs on the same prompts in this process, interleaved (for each prompt, every
 method in an order rotated by one per prompt) so that machine noise hits all alike, after one warmup generation per
 method. tau is pooled over verification cycles: committed tokens (bonus included) summed over all cycles of all
 prompts, divided by the number of cycles. For drafters a cycle is a verification of a drafted block (the drafter's

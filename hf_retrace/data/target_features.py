@@ -36,7 +36,7 @@ def compute_target_features(
     cache=None,
     use_cache: bool = False,
 ) -> torch.Tensor:
-    """Concatenated target features `concat_k hidden_states[k + 1]`, `k in layer_ids` (DESIGN §1.3).
+    """Concatenated target features `concat_k hidden_states[k + 1]`, `k in layer_ids` (`docs/design.md`).
 
     Args:
         target (`PreTrainedModel`): the frozen target (a `*ForCausalLM`; its base decoder is run, never the lm head).

@@ -1,5 +1,5 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""`hf-retrace train` and `training/train.py`: train a DFlash or ReTrace drafter against a frozen target (DESIGN §3).
+"""`hf-retrace train` and `training/train.py`: train a DFlash or ReTrace drafter against a frozen target (`docs/training.md`).
 
 [`make_parser`] reads the recipe (`--config`) and command-line overrides into TRL's three argument groups
 (`ReTraceScriptArguments`, [`ReTraceConfig`], TRL's `ModelConfig`); [`main`] loads target and drafter, the dataset,

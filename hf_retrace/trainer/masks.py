@@ -1,5 +1,5 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""Pure functions: the attention masks of block-parallel DFlash / ReTrace training (DESIGN §3).
+"""Pure functions: the attention masks of block-parallel DFlash / ReTrace training (`docs/training.md`).
 
 All masks are boolean, `True` = attend, shaped `(batch, 1, num_queries, num_keys)` so that they can be handed to the
 drafter (which turns them into an additive mask) or, made additive with [`to_additive_mask`], to a transformers

@@ -1,7 +1,7 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
-"""Block-parallel DFlash training forward and the two-round ReTrace simulation (DESIGN §3).
+"""Block-parallel DFlash training forward and the two-round ReTrace simulation (`docs/training.md`).
 
-Notation (DESIGN §1.1): a block anchored at absolute position `p` has slots `k = 0 .. B-1` at positions `p + k`; slot
+Notation (`docs/design.md`, "A cycle"): a block anchored at absolute position `p` has slots `k = 0 .. B-1` at positions `p + k`; slot
 0 holds the anchor token `x_p`, slots `1..B-1` the mask token, and slot `k` predicts `x_{p+k}`. Context = target
 features of positions `< p`. `N` blocks per sequence run in ONE drafter forward under [`build_block_mask`].
 
@@ -465,7 +465,7 @@ def retrace_training_step(
     max_blocks_per_forward: int | None = None, config: ReTraceDrafterConfig | None = None,
 ) -> TrainingStepOutput:  # fmt: skip
     """The ReTrace objective: [`simulate_retrace_rounds`] at sampled anchors, DFlash loss on round 2 (module
-    docstring, DESIGN §3). Round-2 blocks with `L <= 0` train as plain DFlash blocks at `p'`.
+    docstring). Round-2 blocks with `L <= 0` train as plain DFlash blocks at `p'`.
 
     Args:
         verification_features (`str`): `"faithful"` (target features of the drafted block, one extra target forward

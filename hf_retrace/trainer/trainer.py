@@ -24,7 +24,7 @@ from .objective import LossSettings, dflash_training_step, retrace_training_step
 
 logger = logging.get_logger(__name__)
 
-# ReTrace parameters each conditioning mode uses (DESIGN §1.2); the others get no gradient and are frozen, so that
+# ReTrace parameters each conditioning mode uses (`docs/design.md`, "A cycle"); the others get no gradient and are frozen, so that
 # DDP sees no unused parameter and "every trainable parameter changes" holds.
 _USED_RETRACE_PARAMS = {
     "off": (),
@@ -37,7 +37,7 @@ DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_pro
 
 class ReTraceTrainer(Trainer):
     """Trains a drafter with the DFlash objective (`training_mode="dflash"`) or the ReTrace two-round objective
-    (DESIGN §3) against a frozen target, whose features are computed inside each step under `no_grad`.
+    (`docs/training.md`) against a frozen target, whose features are computed inside each step under `no_grad`.
 
     Args:
         model ([`ReTraceDrafterModel`]): the drafter (float32 master weights recommended).

@@ -56,7 +56,7 @@ class ProposerStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verification cycle, over all sources (DESIGN §4)."""
+        """Mean tokens committed per verification cycle, over all sources, bonus included."""
         return sum(self.committed.values()) / max(sum(self.cycles.values()), 1)
 
     def as_dict(self) -> dict:

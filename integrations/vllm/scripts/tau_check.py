@@ -1,5 +1,5 @@
 """Quick fidelity check of an exported drafter in vLLM: tau of the hf-retrace proposer (pooled over cycles of all
-prompts, bonus included, DESIGN §4), its cycles by source, and whether greedy output equals vLLM's plain greedy.
+prompts, bonus included), its cycles by source, and whether greedy output equals vLLM's plain greedy.
 
     .venv-vllm/bin/python integrations/vllm/scripts/tau_check.py --drafter EXPORTED_DIR --prompts prompts.jsonl \
         --max-new-tokens 64

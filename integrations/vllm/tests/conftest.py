@@ -1,7 +1,7 @@
 """Fixtures for the plugin's tests: the target, exported card folders, one vLLM engine at a time.
 
 The exported folders come from the project's own exporter, run in the project's venv by subprocess
-(`HF_RETRACE_PYTHON`, default `/work/main/.venv/bin/python -m hf_retrace.cli`), since this venv has no hf_retrace.
+(`HF_RETRACE_PYTHON`, default `.venv/bin/python -m hf_retrace.cli` of this checkout), since this venv has no hf_retrace.
 """
 
 import gc

@@ -17,7 +17,7 @@ BLOCK, DRAFT_VOCAB, LAYER_IDS, MASK_ID = 16, 512, [1, 27], 49151
 
 
 def write_drafter(folder, *, plain: bool, seed: int = 0) -> None:
-    """A 1-layer drafter folder in the export format (FORMAT.md §2) with random weights."""
+    """A 1-layer drafter folder in the export format (`docs/formats.md`) with random weights."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, std=0.02):
