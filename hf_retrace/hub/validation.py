@@ -143,7 +143,7 @@ def _check_package_imports(folder: Path, rendered: dict[str, bytes]) -> list[str
         if lines:
             problems.append(
                 f"{rel} imports hf_retrace (line {', '.join(map(str, lines))}), which Hub users do not have; Hub "
-                "files may import only torch, transformers and each other (`from .modeling_retrace import ...`)"
+                "files may import only torch, transformers, numpy and each other (`from .modeling_retrace import ...`)"
             )
     return problems
 

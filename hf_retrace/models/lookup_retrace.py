@@ -11,7 +11,9 @@ import numpy as np
 from .datastore_file_retrace import SEPARATOR  # between responses: no n-gram or continuation spans two responses
 
 
-def prompt_lookup(tokens: np.ndarray, num_tokens: int, max_ngram_size: int, min_ngram_size: int = 1) -> list[int] | None:
+def prompt_lookup(
+    tokens: np.ndarray, num_tokens: int, max_ngram_size: int, min_ngram_size: int = 1
+) -> list[int] | None:
     """The tokens that followed the earliest earlier occurrence of the context's last n-gram, trying
     `n = max_ngram_size` down to `min_ngram_size`.
 

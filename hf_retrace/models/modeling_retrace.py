@@ -38,7 +38,8 @@ class ReTraceDrafterDecoderLayer(MuseGlimmerAssistantDecoderLayer):
 
 
 class ReTraceTrajectoryEncoder(nn.Module):
-    """Turns retained rejected states into an additive input for the mask slots (paper Sec. 3; `docs/design.md`, "A cycle").
+    """Turns retained rejected states into an additive input for the mask slots (paper Sec. 3; `docs/design.md`, "A
+    cycle").
 
         t_j  = ctx_proj(target_features_j)            # the drafter's own fc + hidden_norm
         h~_j = h_j + beta * W_c([h_j ; t_j])          # target-aware correction (mode `corrected` only)
