@@ -18,6 +18,8 @@ Hook points (vLLM 0.32.0):
 import functools
 import inspect
 
+from . import sampler_patch
+
 
 SUPPORTED_VLLM = "0.32.0"
 _MARK = "_hf_retrace_patched"
@@ -60,6 +62,7 @@ HOOKS = (
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.load_weights", ("self", "weights")),
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model.embed_input_ids", ("self", "input_ids")),
     ("vllm.config", "VllmConfig.num_lookahead_tokens", None),
+    *sampler_patch.HOOKS,  # exact speculative sampling on CPU
 )
 
 
@@ -116,6 +119,7 @@ def install() -> None:
     lookahead = inspect.getattr_static(VllmConfig, "num_lookahead_tokens")
     if not getattr(lookahead.fget, _MARK, False):
         VllmConfig.num_lookahead_tokens = property(_mark(_wrap_lookahead(lookahead.fget)), doc=lookahead.__doc__)
+    sampler_patch.install()
 
 
 def _mark(func):

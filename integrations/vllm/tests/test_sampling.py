@@ -1,0 +1,126 @@
+"""Sampling through speculation keeps the target's distribution (hf_retrace_vllm/sampler_patch.py).
+
+Two levels:
+- vLLM's `RejectionSampler` on CPU, as its engine calls it, on a batch of many identical requests (each one an
+  independent trial): the first output token must follow the target's processed distribution `p_0` (temperature,
+  top-k, top-p), and the token after an accepted first draft must follow `p_1`. Chi-square against `p` computed
+  directly. Without the patch the temperature is read from uninitialised memory and these fail by orders of
+  magnitude.
+- A vLLM engine: the plugin (a random drafter, drafts mostly rejected, so most tokens come from rejections) on
+  sampled requests: the target's mean NLL per token of what it writes stays within plain sampling's seed-to-seed
+  spread; greedy and sampled requests mixed in one batch leave the greedy ones token for token as plain greedy.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import PROMPTS, close_llm, make_llm
+
+
+V = 64  # a small vocabulary: every token's frequency is measurable
+TRIALS = 6000
+CHI2_Z = 4.0  # reject at ~ p < 1e-4 (Wilson-Hilferty), so a correct sampler fails once in thousands of runs
+
+
+def _chi2_threshold(dof: int) -> float:
+    """The `1 - alpha` quantile of chi-square with `dof` degrees of freedom, Wilson-Hilferty approximation."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1 - c + CHI2_Z * math.sqrt(c)) ** 3
+
+
+def assert_follows(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
+    """Chi-square of `samples` `[n]` against `probs` `[V]`, rare cells (expected < 5) pooled into one."""
+    n = samples.numel()
+    observed = torch.bincount(samples.long(), minlength=probs.numel()).double()
+    expected = probs.double() * n
+    assert observed[expected == 0].sum() == 0, f"{what}: sampled a token the target gives probability 0"
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < _chi2_threshold(dof), f"{what}: chi2 {chi2:.1f} over {dof} dof (limit {_chi2_threshold(dof):.1f})"
+
+
+def processed(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """The target distribution `[V]` vLLM samples from without speculation: logits / T, then top-k, then top-p."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
+    z = logits.double() / temperature
+    if top_k is not None:
+        z = z.masked_fill(z < z.topk(top_k).values[-1], -math.inf)
+    if top_p is not None:  # keep the smallest head whose mass reaches top_p
+        probs, order = z.softmax(-1).sort(descending=True)
+        drop = probs.cumsum(-1) - probs > top_p
+        z[order[drop]] = -math.inf
+    return z.softmax(-1)
+
+
+def sampling_metadata(temperatures: list[float], top_k: list[int] | None, top_p: list[float] | None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    t = torch.tensor(temperatures, dtype=torch.float32)
+    return SamplingMetadata(
+        temperature=t, all_greedy=bool((t == 0).all()), all_random=bool((t != 0).all()),
+        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(len(t)), presence_penalties=torch.zeros(len(t)),
+        repetition_penalties=torch.ones(len(t)), output_token_ids=[[] for _ in temperatures],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+    )  # fmt: skip
+
+
+def verify(logits: torch.Tensor, drafts: list[int], temperatures, top_k=None, top_p=None) -> torch.Tensor:
+    """vLLM's CPU `RejectionSampler` on `len(temperatures)` requests with the same `drafts` and target `logits`
+    `[len(drafts) + 1, V]` (the last row is the bonus position). Returns its output `[batch, len(drafts) + 1]`."""
+    import hf_retrace_vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    hf_retrace_vllm.register()
+    current_platform.register_triton_kernel_overrides()  # what vLLM's CPU worker does at start-up
+    batch, k = len(temperatures), len(drafts)
+    meta = SpecDecodeMetadata.make_dummy([drafts] * batch, torch.device("cpu"))
+    rows = torch.arange(batch * (k + 1)).view(batch, k + 1)
+    meta.target_logits_indices = rows[:, :k].reshape(-1).int()
+    meta.bonus_logits_indices = rows[:, k].int()
+    sampler = RejectionSampler(Sampler())
+    md = sampling_metadata(temperatures, top_k and [top_k] * batch, top_p and [top_p] * batch)
+    out = sampler(meta, None, logits.repeat(batch, 1).contiguous(), md)
+    return out.sampled_token_ids
+
+
+def _logits(seed: int) -> torch.Tensor:
+    return torch.randn(3, V, generator=torch.Generator().manual_seed(seed)) * 2.0  # [k + 1, V], k = 2 drafts
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.0, None, None), (1.0, None, 0.9),
+                                                     (0.8, 50, None), (0.7, 50, 0.9)])  # fmt: skip
+def test_rejection_sampler_keeps_target_distribution(temperature, top_k, top_p):
+    logits = _logits(1)
+    p = [processed(row, temperature, top_k, top_p) for row in logits]
+    drafts = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # a likely first draft, a second-best second draft
+    out = verify(logits, drafts, [temperature] * TRIALS, top_k, top_p)
+    assert_follows(out[:, 0], p[0], "first token")
+    after = out[out[:, 0] == drafts[0], 1]
+    assert after.numel() > TRIALS * p[0][drafts[0]] * 0.9
+    assert_follows(after, p[1], "token after an accepted draft")
+
+
+def test_mixed_greedy_and_sampled_batch():
+    logits = _logits(2)
+    p0 = processed(logits[0], 1.0, None, None)
+    greedy_ids = logits.argmax(-1)
+    wrong = int(logits[0].argsort()[-3])  # a first draft greedy rejects
+    temperatures = [0.0, 1.0] * (TRIALS // 2)
+    out = verify(logits, [wrong, int(greedy_ids[1])], temperatures)
+    greedy_rows, sampled_rows = out[0::2], out[1::2]
+    assert (greedy_rows[:, 0] == greedy_ids[0]).all() and (greedy_rows[:, 1] == -1).all()
+    assert_follows(sampled_rows[:, 0], p0, "sampled rows beside greedy ones")
