@@ -149,3 +149,25 @@ def test_runs_with_the_real_estimator_from_its_priors():
     final = choose_num_verified(plan, {1: np.linspace(0.95, 0.05, 15)}, _costs(), estimator, max_verified=8)
     assert 0 < final.requests[1].num_verified < 8
     assert plan_step([], _costs(), estimator, 16, 8).rows == 0
+
+
+SHARED = ("cost_model_retrace", "acceptance_retrace", "goodput_retrace", "online_datastore_retrace")
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_the_shared_core_imports_only_numpy_the_stdlib_and_itself(name):
+    """Both engines (transformers' venv, the vLLM plugin's vendored copy) load these files unchanged: no torch,
+    transformers or vLLM, and relative imports of each other only."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    import hf_retrace.models
+
+    tree = ast.parse((Path(hf_retrace.models.__file__).parent / f"{name}.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            assert node.level == 1 and node.module in SHARED, ast.unparse(node)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert {n.split(".")[0] for n in names} <= {"numpy", *sys.stdlib_module_names}, ast.unparse(node)
