@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from conftest import PROMPTS, close_llm, make_llm
+from conftest import MAX_TOKENS, PROMPTS, close_llm, make_llm
+from test_lossless_random import random_folders  # noqa: F401  (the fixture)
 
 
 V = 64  # a small vocabulary: every token's frequency is measurable
@@ -124,3 +125,85 @@ def test_mixed_greedy_and_sampled_batch():
     greedy_rows, sampled_rows = out[0::2], out[1::2]
     assert (greedy_rows[:, 0] == greedy_ids[0]).all() and (greedy_rows[:, 1] == -1).all()
     assert_follows(sampled_rows[:, 0], p0, "sampled rows beside greedy ones")
+
+
+# (temperature, top_p, top_k) of the engine-level requests: every combination the checks above cover
+CONFIGS = [(0.7, None, None), (1.0, None, None), (1.0, 0.9, None), (0.8, None, 50)]
+SEEDS = 3
+SAMPLED_TOKENS = 32
+
+
+def _sampled_requests():
+    """`(prompt, SamplingParams, config index)` for every prompt, config and seed; each request has its own seed."""
+    from vllm import SamplingParams
+
+    requests = []
+    for c, (temperature, top_p, top_k) in enumerate(CONFIGS):
+        for s in range(SEEDS):
+            for i, prompt in enumerate(PROMPTS):
+                params = SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=top_k or 0,
+                                        max_tokens=SAMPLED_TOKENS, seed=1000 * s + 10 * c + i)  # fmt: skip
+                requests.append((prompt, params, c, s))
+    return requests
+
+
+def _run(llm, requests, greedy_too: bool):
+    """One `generate` call with every sampled request (and, if asked, every prompt greedy, interleaved)."""
+    from vllm import SamplingParams
+
+    prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+    if greedy_too:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        for i, prompt in enumerate(PROMPTS):  # spread through the batch, between sampled requests
+            prompts.insert(i * 9, prompt)
+            params.insert(i * 9, greedy)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    greedy_out = [list(o.outputs[0].token_ids) for o, p in zip(outputs, params) if p.temperature == 0]
+    sampled = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o, p in zip(outputs, params)
+               if p.temperature != 0]  # fmt: skip
+    return greedy_out, sampled
+
+
+def _nll_per_run(model, requests, sampled) -> dict[tuple[int, int], torch.Tensor]:
+    """`(config, seed) -> [n]` NLL of every generated token under the target at the config's temperature."""
+    per_run: dict[tuple[int, int], list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for (_, _, c, s), (prompt, completion) in zip(requests, sampled):
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+            logp = (logits / CONFIGS[c][0]).log_softmax(-1)
+            per_run.setdefault((c, s), []).append(-logp.gather(-1, torch.tensor(completion)[:, None])[:, 0])
+    return {key: torch.cat(values) for key, values in per_run.items()}
+
+
+def test_plugin_sampling_nll_matches_plain_and_greedy_is_unchanged(target, random_folders, plain_greedy):
+    """The plugin with a random drafter (most drafts rejected: most tokens are recovered samples) against plain
+    vLLM, both on the same seeded requests. Bound: plain's own seed-to-seed spread of the per-run mean NLL (or the
+    token-level standard error, whichever is larger), 4.5 sigma on the difference of the means over seeds."""
+    from transformers import AutoModelForCausalLM
+
+    requests = _sampled_requests()
+    llm = make_llm(target)
+    try:
+        _, plain = _run(llm, requests, greedy_too=False)
+    finally:
+        close_llm(llm)
+    llm = make_llm(target, {"method": "dflash", "model": str(random_folders / "retrace"), "num_speculative_tokens": 3})
+    try:
+        greedy_out, spec = _run(llm, requests, greedy_too=True)
+    finally:
+        close_llm(llm)
+    assert greedy_out == plain_greedy, "greedy requests in a mixed batch differ from plain greedy"
+
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    plain_nll, spec_nll = _nll_per_run(model, requests, plain), _nll_per_run(model, requests, spec)
+    for c, config in enumerate(CONFIGS):
+        runs = [plain_nll[(c, s)] for s in range(SEEDS)]
+        plain_means = torch.stack([r.mean() for r in runs])
+        spec_mean = torch.stack([spec_nll[(c, s)].mean() for s in range(SEEDS)]).mean()
+        token_se = torch.cat(runs).std() / math.sqrt(sum(r.numel() for r in runs) / SEEDS)
+        sigma = max(float(plain_means.std()), float(token_se)) * math.sqrt(2 / SEEDS)
+        gap = abs(float(spec_mean - plain_means.mean()))
+        assert gap < 4.5 * sigma, (
+            f"T, top-p, top-k = {config}: NLL per token {float(spec_mean):.3f} with the plugin, "
+            f"{float(plain_means.mean()):.3f} plain (seed means {plain_means.tolist()}), bound {4.5 * sigma:.3f}"
+        )
