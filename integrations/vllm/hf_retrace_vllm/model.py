@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
 from .policy import DraftPolicy
@@ -129,4 +130,20 @@ class DFlashReTraceDraftModel(DFlashQwen3ForCausalLM):
                 f"the drafter folder lacks {missing}, which its config.json's hf_retrace block needs "
                 "(anchor_broadcast / retrace_mode); export it again with `hf-retrace export --format vllm`"
             )
+        if hasattr(self, "has_own_embed_tokens") and not self.has_own_embed_tokens and get_pp_group().world_size == 1:
+            self._release_own_embedding()  # the cases in which vLLM's proposer shares the target's embedding
         return loaded
+
+    def _release_own_embedding(self) -> None:
+        """Turns this model's own embedding table into a meta tensor (no storage) before vLLM post-processes weights.
+
+        An export carries no `embed_tokens`: right after loading, vLLM's proposer replaces this module by the
+        target's embedding. On CPU, vLLM's weight post-processing would first build a oneDNN GEMM
+        handle for the table (it doubles as an LM head there). The replaced module sits in a reference cycle, so the
+        handle is freed by the garbage collector at some later allocation, and when that lands inside
+        torch.compile's tracing its `__del__` (`handler_tensor.item()`) recurses without end: "Fatal Python error:
+        _Py_CheckRecursiveCall" when an engine restarts on its compile cache. A meta weight gets no handle (vLLM
+        skips them), frees the table's memory, and keeps the shape that vLLM's sharing check compares.
+        """
+        embed = self.model.embed_tokens
+        embed.weight = nn.Parameter(torch.empty_like(embed.weight, device="meta"), requires_grad=False)
