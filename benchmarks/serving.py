@@ -23,7 +23,7 @@ Every method needs its engine's target-alone method (`hf_ar`, `vllm_ar`), added 
 checked against it token for token (same engine, mode and concurrency, per prompt), and speedups are over it. A
 method whose pieces are missing (the export, the plugin, a worker that fails to start) is skipped with a line why.
 
-vLLM runs as its users run it (docs/serving.md): `--modes compiled` (vLLM's default, torch.compile; the default here)
+vLLM runs as its users run it: `--modes compiled` (vLLM's default, torch.compile; the default here)
 and/or `eager` (enforce_eager), with tcmalloc and Intel OpenMP in `LD_PRELOAD`: read from `scripts/vllm-env.sh` when
 it exists, else found on the machine (`serving_engines.vllm_preload_env`). Each worker reports whether both were
 really mapped; the run info records it, and a loud warning goes to stderr and results.md when they were not.
@@ -59,6 +59,7 @@ engine's target alone.
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -77,9 +78,10 @@ DEFAULT_TARGET = Path.home() / ".cache" / "hf_retrace" / "smollm2-135m-instruct"
 # untimed warmup request: token ids of no benched prompt, so a method that learns from past requests (vLLM's suffix
 # decoding adds every prompt and response to its tree) learns nothing about the prompts it is then timed on
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
-# for the start-up estimate only: a 2-core host's engine start-up (s) and target step (ms, 19.2 for 1 row + 2.8 a
-# further row in compiled mode, docs/serving.md), transformers' tokens/s at batch 1
-STARTUP_S = {"compiled": 40.0, "eager": 20.0}
+# for the start-up estimate only, on a quiet 2-core host: an engine's start-up in s (eager measured ~20; compiled
+# guessed, most starts reuse the compile cache), the target's step in ms (compiled: 19.2 for 1 row + 2.8 a further
+# row, measured; eager guessed), transformers' tokens/s at batch 1
+STARTUP_S = {"compiled": 30.0, "eager": 20.0}
 STEP_MS = {"compiled": (19.2, 2.8), "eager": (25.0, 2.8)}
 HF_TOKENS_PER_S = 25.0
 
@@ -295,6 +297,12 @@ def prepare_vllm(specs, args, skipped) -> tuple[list, dict]:
     return vllm_specs, configs
 
 
+def _round_chunk(prompts: list, rounds: int, r: int) -> list:
+    """Round `r`'s share of `prompts` (empty when there are fewer prompts than rounds)."""
+    chunks = chunk_rounds(prompts, rounds) if prompts else []
+    return chunks[r] if r < len(chunks) else []
+
+
 def schedule(args, hf_specs, vllm_specs):
     """(round, mode, concurrency, spec) for every block, in run order: the methods rotate by one per concurrency and
     round; transformers' methods join the first mode's first concurrency, at batch 1."""
@@ -310,6 +318,8 @@ def schedule(args, hf_specs, vllm_specs):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a `timeout` or `kill` ends the run through `finally` blocks, which close the vLLM worker and its engine
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     output_dir = Path(args.output_dir)
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
     settings, skipped = _settings(args), []
@@ -344,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         key = block_key(spec.name, block_mode, block_c, r)
         if key in state.done:
             continue
-        greedy = chunk_rounds(plan.pick(prompts, block_c, sampled=False), args.rounds)[r]
-        sampled = plan.pick(prompts, block_c, sampled=True)
-        sampled = chunk_rounds(sampled, args.rounds)[r] if sampled else []
+        greedy = _round_chunk(plan.pick(prompts, block_c, sampled=False), args.rounds, r)
+        sampled = _round_chunk(plan.pick(prompts, block_c, sampled=True), args.rounds, r)
         elapsed = (time.perf_counter() - started) / 60
         print(f"[{n}/{len(blocks)}, {elapsed:.1f} min] {key}: {len(greedy)} greedy + {len(sampled)} sampled prompts",
               file=sys.stderr, flush=True)  # fmt: skip

@@ -5,6 +5,7 @@ target's scoring of sampled continuations (NLL per token).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,8 @@ def vllm_preload_env(repo: Path = REPO, disabled: bool = False) -> tuple[dict, d
     `PRELOAD_LIBS` absent from `LD_PRELOAD`; whether they were really loaded is what the worker reports (`preloaded`).
     """
     if disabled:
-        record = {"source": "disabled (--no-preload)", "LD_PRELOAD": "", "variables": [], "missing": list(PRELOAD_LIBS)}
-        return {}, record
+        missing = list(PRELOAD_LIBS)
+        return {}, {"source": "disabled (--no-preload)", "LD_PRELOAD": "", "variables": [], "missing": missing}
     updates, source = None, None
     if (repo / ENV_FILE).is_file():
         sourced = _sourced_env(repo / ENV_FILE, repo)
@@ -85,8 +86,9 @@ class VllmWorker:
             command += ["--speculative-config", json.dumps(speculative_config)]
         self.log_path = log_path
         self._log = log_path.open("w")
+        # a session of its own: vLLM's engine-core process is the worker's child, and `close` ends both together
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                        text=True, env=env, cwd=REPO)  # fmt: skip
+                                        text=True, env=env, cwd=REPO, start_new_session=True)  # fmt: skip
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -107,14 +109,20 @@ class VllmWorker:
         return self._read()
 
     def close(self) -> None:
+        """Asks the worker to quit; then ends whatever of its process group is left (an engine core orphaned by a
+        worker that died would otherwise keep its cores busy)."""
         if self.process.poll() is None:
             try:
                 self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
                 self.process.stdin.flush()
                 self.process.wait(timeout=60)
             except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is gone: a clean exit
+        self.process.wait()
         self._log.close()
 
 
