@@ -10,4 +10,6 @@ scripts/setup-vllm.sh
 # target, dequantized once into ~/.cache/hf_retrace by the project's own loader.
 HF_HUB_OFFLINE=1 .venv/bin/python -c "from hf_retrace.data.assets import load_default_target; load_default_target()" \
   >/dev/null 2>&1
+# The engines run as vLLM's CPU guide asks (tcmalloc and Intel OpenMP preloaded, threads bound; scripts/vllm-env.sh).
+source scripts/vllm-env.sh
 HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m pytest -q integrations/vllm/tests "$@"
