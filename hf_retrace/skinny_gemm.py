@@ -13,7 +13,7 @@ read. torch's fp32 CPU BLAS (MKL) does not deliver this for `linear(x, W) = x @ 
 one. The same product computed transposed, `(W @ x.T).T` (`torch.mm(weight, x.t())`, with the weight as the wide
 left operand and `x` as a transposed right operand), streams the weight at full speed for any few rows: 4 rows cost
 what 2 do, and both less than one row through MKL's matrix-vector product. One row is therefore duplicated into two
-(`benchmarks/verification_cost.py --skinny-gemm` prints the effect on the whole target).
+(the study is listed in docs/findings.md).
 
 `enable_skinny_gemm(model)` routes every `nn.Linear` of a model through `skinny_linear`, for inputs of at most
 `max_rows` rows in fp32 on a CPU; anything else (prefill of long prompts, bf16, CUDA, subclasses such as quantized
@@ -24,7 +24,7 @@ only meaningful when the target-only baseline runs with the same setting, which 
 `examples/01_generate.py` do: both run the very same patched target.
 
 The BLAS kernel behind the transposed product is itself uneven in the row count: on the repo's machine 3 rows cost
-more than 4, and 13-15 rows more than 16 (`python benchmarks/skinny_widths.py`). So `enable_skinny_gemm` times a
+more than 4, and 13-15 rows more than 16 (docs/findings.md). So `enable_skinny_gemm` times a
 pass over the model's own weights at every width up to `tune_rows` and zero-pads each row count to the cheapest
 width at or above it ([`tune_widths`]); the padded rows' outputs are dropped.
 """

@@ -6,7 +6,7 @@ narrow. Each resample draws the prompts with replacement, recomputes both method
 summed over the drawn prompts' cycles / their number of cycles) and takes the ratio; the 95% interval is the 2.5th
 and 97.5th percentiles. A ratio whose interval contains 1 is a difference this run cannot tell from prompt noise.
 
-    python -m hf_retrace.bench.stats results/smollm2/results.json --baseline control
+    python -m hf_retrace.bench.stats results/retrace/phase2/results.json --baseline control
 """
 
 import argparse
