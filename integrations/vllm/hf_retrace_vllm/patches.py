@@ -12,7 +12,9 @@ Hook points (vLLM 0.32.0):
 3. Read, not patched: `DFlashProposer.set_inputs_first_pass`, `build_model_inputs_first_pass`,
    `build_per_group_and_layer_attn_metadata`, `_determine_batch_execution_and_padding`, `_get_slot_mapping`,
    `SpecDecodeBaseProposer.propose`'s arguments, and `DFlashQwen3ForCausalLM`'s methods, which the proposer and the
-   model build on.
+   model build on; the attributes in `PRIVATE_ATTRIBUTES` and `ASSIGNED`, read on vLLM's objects at run time.
+4. `CPUWorker.compile_or_warm_up_model`: after vLLM's warm-up, an hf-retrace proposer gets its start-up profile of
+   step costs (profile.py; on with `HF_RETRACE_VLLM_PROFILE=1`).
 """
 
 import functools
@@ -63,7 +65,47 @@ HOOKS = (
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model.embed_input_ids", ("self", "input_ids")),
     ("vllm.config", "VllmConfig.num_lookahead_tokens", None),
     *sampler_patch.HOOKS,  # exact speculative sampling on CPU
+    # read by the proposer's step bookkeeping and the start-up profile (profile.py)
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.load_model", ("self", "target_model")),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_run",
+     ("self", "num_tokens", "cudagraph_runtime_mode", "force_attention", "uniform_decode")),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", ("self",)),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", None),
 )
+
+# Attributes vLLM sets on its objects at run time, which the proposer, its bookkeeping, the drafter run and the
+# start-up profile read. Names set by a constructor are checked on the built objects (`check_attributes`, from the
+# proposer's `__init__` and `load_model`); names set elsewhere by the function that assigns them (`check`).
+PRIVATE_ATTRIBUTES = {
+    "DFlashProposer": (
+        "vllm_config", "speculative_config", "draft_model_config", "device", "max_batch_size", "max_num_tokens",
+        "max_model_len", "num_speculative_tokens", "max_query_tokens", "max_padded_query_tokens", "max_positions",
+        "positions", "arange", "input_ids", "hidden_states", "_slot_mapping_buffer", "_context_positions_buffer",
+        "_context_slot_mapping_buffer", "_last_draft_probs",
+    ),
+    "GPUModelRunner": (
+        "input_batch", "requests", "drafter", "max_num_tokens", "scheduler_config", "uniform_decode_query_len",
+    ),
+    "loaded GPUModelRunner": ("model",),  # the target, checked by the start-up profile
+    "InputBatch": ("req_ids", "num_tokens_no_spec", "num_computed_tokens_cpu", "token_ids_cpu"),
+    "DFlashQwen3ForCausalLM": ("config", "model"),  # the drafter, once loaded
+    "DFlashQwen3Model": ("embed_input_ids", "hidden_norm"),
+}  # fmt: skip
+ASSIGNED = (
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.__init__", ("sampling_params",)),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.__post_init__", ("num_prompt_tokens",)),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device", ("model_runner",)),
+)
+
+
+def check_attributes(obj, kind: str) -> None:
+    """Raises `UnsupportedVllmError` unless `obj` (a vLLM `kind`) has every attribute `PRIVATE_ATTRIBUTES[kind]`
+    lists."""
+    import vllm
+
+    missing = [name for name in PRIVATE_ATTRIBUTES[kind] if not hasattr(obj, name)]
+    if missing:
+        _fail(vllm.__version__, f"{kind} objects have no {', '.join(missing)} (the hf-retrace proposer reads them)")
 
 
 def _resolve(module_name: str, path: str):
@@ -98,6 +140,13 @@ def check(version: str | None = None) -> None:
         names = tuple(inspect.signature(func).parameters)[: len(params)]
         if names != params:
             _fail(version, f"{module_name}.{path} takes {names}, the plugin expects {params}")
+    for module_name, path, assigned in ASSIGNED:
+        try:
+            code = _resolve(module_name, path).__code__
+        except (ImportError, AttributeError, KeyError) as err:
+            _fail(version, f"{module_name}.{path} is missing ({err})")
+        if any(name not in code.co_names for name in assigned):
+            _fail(version, f"{module_name}.{path} no longer sets {assigned}")
 
 
 def is_hf_retrace_config(vllm_config) -> bool:
@@ -120,6 +169,26 @@ def install() -> None:
     if not getattr(lookahead.fget, _MARK, False):
         VllmConfig.num_lookahead_tokens = property(_mark(_wrap_lookahead(lookahead.fget)), doc=lookahead.__doc__)
     sampler_patch.install()
+    _install_startup_profile()
+
+
+def _install_startup_profile() -> None:
+    """`CPUWorker.compile_or_warm_up_model`: once vLLM has warmed up, the step-cost profile (profile.py)."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if getattr(CPUWorker.compile_or_warm_up_model, _MARK, False):
+        return
+    original = CPUWorker.compile_or_warm_up_model
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self):
+        times = original(self)
+        from .profile import profile_after_warm_up
+
+        profile_after_warm_up(self)
+        return times
+
+    CPUWorker.compile_or_warm_up_model = _mark(compile_or_warm_up_model)
 
 
 def _mark(func):

@@ -12,34 +12,32 @@ Each engine step, for every request in the batch (in this order):
    which the first `k` drafts are proposed. The target's features of every committed position are written to the
    drafter's context K/V cache every step, lookup cycles included, so a lookup never leaves a hole in its context.
 
+`propose()` runs these as steps: bookkeeping and proposal (`_bookkeep`, `_lookup`; bookkeeping.py), conditioning
+(`_conditioning`), the drafter run (`_run_drafter`; drafter_run.py), each timed into a `StepRecord` (steps.py) for
+the step-cost model, beside the start-up profile (`startup_profile`, profile.py).
+
 `num_speculative_tokens` (vLLM's `K`) is the most tokens a cycle verifies: drafter cycles verify
 `min(K, num_assistant_tokens)` drafts, lookups at most `K` tokens.
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from .model import BlockConditioning
+from . import patches
+from .bookkeeping import (
+    Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, read_step_batch, retained_suffix,
+    verifies_previous,
+)  # fmt: skip
+from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs, write_context_kv
 from .policy import DraftPolicy, lookup, policy_sources
+from .profile import StartupProfile
 from .stats import ProposerStats
+from .steps import StepClock, StepRecord
 
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class _Pending:
-    """What a request was proposed at its last step, to score it when the target has verified it."""
-
-    source: str  # "lookup" | "datastore" | "draft"
-    anchor_position: int  # position of the cycle's first verification input (the committed token)
-    num_proposed: int  # m
-    states: torch.Tensor | None = None  # [m, H] post-norm drafter states of mask slots 1..m (ReTrace on, drafts)
 
 
 class ReTraceDFlashProposer(DFlashProposer):
@@ -47,6 +45,9 @@ class ReTraceDFlashProposer(DFlashProposer):
 
     def __init__(self, vllm_config, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
+        patches.check_attributes(self, "DFlashProposer")  # a renamed vLLM attribute fails here, at start-up
+        patches.check_attributes(runner, "GPUModelRunner")
+        patches.check_attributes(runner.input_batch, "InputBatch")
         self.runner = runner
         self.policy = DraftPolicy.from_hf_config(self.draft_model_config.hf_config)
         self.max_verified = self.speculative_config.num_speculative_tokens  # K
@@ -74,8 +75,12 @@ class ReTraceDFlashProposer(DFlashProposer):
         vocab_size = self.draft_model_config.hf_config.vocab_size
         self.sources = policy_sources(self.policy, self.draft_model_config.model, vocab_size)  # index built here
         self.uses_retrace = self.policy.retrace_mode != "off"
-        self.pending: dict[str, _Pending] = {}  # by request id; dropped when the request leaves the runner
+        self.pending: dict[str, Pending] = {}  # by request id; dropped when the request leaves the runner
         self.stats = ProposerStats()
+        self.clock = StepClock()
+        self.last_step: StepRecord | None = None  # the step-cost model's input: R, S and the parts' seconds
+        self.startup_profile: StartupProfile | None = None  # set after vLLM's warm-up (profile.py)
+        self._logged = 0  # hundreds of cycles already logged
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -88,6 +93,16 @@ class ReTraceDFlashProposer(DFlashProposer):
         self._slot_mapping_buffer = torch.zeros(self.max_padded_query_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_padded_query_tokens, dtype=torch.int64, device=self.device)
         self.arange = torch.arange(self.max_positions + 1, device=self.device, dtype=torch.int32)
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        patches.check_attributes(self.model, "DFlashQwen3ForCausalLM")
+        patches.check_attributes(self.model.model, "DFlashQwen3Model")
+
+    @property
+    def step_records(self):
+        """The last engine steps' `StepRecord`s, oldest first (a bounded deque)."""
+        return self.clock.records
 
     def propose(
         self,
@@ -105,50 +120,40 @@ class ReTraceDFlashProposer(DFlashProposer):
     ) -> list[list[int]]:
         """Same call as `SpecDecodeBaseProposer.propose`. Returns one list of proposed tokens per request (vLLM's
         runner and scheduler take lists of any length, as for its n-gram proposer)."""
+        self.clock.start()
         self._last_draft_probs = None
         cad = common_attn_metadata
-        batch = cad.batch_size()
         max_verified = min(int(num_speculative_tokens), self.max_verified)
-        context_features = self.model.combine_hidden_states(target_hidden_states)  # [C, H]: fc of the features
-        query_start = cad.query_start_loc_cpu[: batch + 1].tolist()
-        rejected = [0] * batch if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:batch].tolist()
-        positions = target_positions.cpu()
-        token_ids = target_token_ids.cpu()
-        next_ids = next_token_ids[:batch].tolist()
-        input_batch = self.runner.input_batch
-        req_ids = input_batch.req_ids[:batch]
-        for req_id in [r for r in self.pending if r not in self.runner.requests]:  # finished or aborted
-            del self.pending[req_id]
+        context_features = self.model.combine_hidden_states(target_hidden_states)  # [R, H]: fc of the features
+        step = read_step_batch(
+            self.runner.input_batch, cad, target_token_ids, target_positions, next_token_ids, num_rejected_tokens_gpu
+        )
+        drop_finished(self.pending, self.runner.requests)
+        proposals, drafting, retained = self._bookkeep_and_propose(step, context_features, max_verified)
+        drafting = self._fit_block(drafting, cad, step.req_ids)
+        conditioning = self._conditioning(retained, drafting)
+        self.clock.lap("policy")
+        step_inputs = {
+            "target_token_ids": target_token_ids, "next_token_ids": next_token_ids,
+            "target_positions": target_positions, "target_hidden_states": context_features, "cad": cad,
+            "num_rejected_tokens_gpu": num_rejected_tokens_gpu,
+        }  # fmt: skip
+        drafter_slots = self._run_drafter(drafting, proposals, conditioning, step.req_ids, step_inputs)
+        self._finish_step(step, drafter_slots)
+        return proposals
 
-        proposals: list[list[int]] = [[] for _ in range(batch)]
+    def _bookkeep_and_propose(self, step: StepBatch, context_features, max_verified: int):
+        """Per request: the bookkeeping of the cycle just verified, then a proposal from `_lookup`, or a place in
+        the drafter's forward. Returns `(proposals, drafting, retained)`: a list per request (empty for drafting
+        ones, filled by the drafter run), `{batch row: drafts to propose}`, and the ReTrace suffixes kept."""
+        proposals: list[list[int]] = [[] for _ in range(step.size)]
         drafting: dict[int, int] = {}  # batch index -> drafts to propose
-        cond_rows, cond_states, cond_targets = [], [], []
-        for i, req_id in enumerate(req_ids):
-            start, rows = query_start[i], query_start[i + 1] - query_start[i]
-            committed = int(input_batch.num_tokens_no_spec[i])  # through this cycle's first input
-            computed = int(input_batch.num_computed_tokens_cpu[i])
-            decoding = computed == committed - 1
-            previous = self.pending.pop(req_id, None)
-            if not decoding and computed + rows < committed:
-                continue  # a prefill chunk that is not the last: its proposal would be dropped
-            accepted = rows - 1 - rejected[i] if decoding else 0
-            if (
-                decoding and previous is not None and previous.num_proposed == rows - 1
-                and previous.anchor_position == int(positions[start])
-            ):  # fmt: skip
-                self.stats.record(previous.source, accepted + 1)
-                retained = previous.num_proposed - 1 - accepted  # L
-                if previous.states is not None and retained > 0:
-                    # next slot s = 1..L holds slot s+n+1's state and the features of verification row s+n
-                    cond_rows.append((i, retained))
-                    cond_states.append(previous.states[accepted + 1 : previous.num_proposed])
-                    first = start + accepted + 1
-                    cond_targets.append(context_features[first : first + retained])
-            tokens = np.concatenate([
-                input_batch.token_ids_cpu[i, :committed],
-                token_ids[start + 1 : start + 1 + accepted].numpy(),
-                [next_ids[i]],
-            ]).astype(np.int64)  # fmt: skip
+        retained = []
+        for i, req_id in enumerate(step.req_ids):
+            verified = self._bookkeep(step, i, context_features, retained)
+            if verified is None:
+                continue
+            tokens = committed_tokens(self.runner.input_batch, step, i, *verified)
             room = self._room(req_id, len(tokens))
             if room <= 0:
                 continue
@@ -156,37 +161,47 @@ class ReTraceDFlashProposer(DFlashProposer):
             proposal, source = self._lookup(tokens, min(room, max_verified))
             if proposal is not None:
                 proposals[i] = proposal
-                self.pending[req_id] = _Pending(source, anchor, len(proposal))
+                self.pending[req_id] = Pending(source, anchor, len(proposal))
             else:
                 drafting[i] = min(room, max_verified, self.num_drafts_verified)
-                self.pending[req_id] = _Pending("draft", anchor, 0)
+                self.pending[req_id] = Pending("draft", anchor, 0)
+        return proposals, drafting, retained
 
+    def _bookkeep(self, step: StepBatch, i: int, context_features, retained: list) -> tuple[int, int] | None:
+        """Scores request `i`'s previous proposal if this step verified it, and appends the ReTrace suffix it keeps
+        to `retained`. Returns `(committed, accepted)`: tokens committed through the cycle's first input, and drafts
+        accepted (0 at a prefill); `None` for a prefill chunk that is not the last (its proposal would be dropped)."""
+        input_batch = self.runner.input_batch
+        rows = step.query_start[i + 1] - step.query_start[i]
+        committed = int(input_batch.num_tokens_no_spec[i])  # through this cycle's first input
+        computed = int(input_batch.num_computed_tokens_cpu[i])
+        decoding = computed == committed - 1
+        previous = self.pending.pop(step.req_ids[i], None)
+        if not decoding and computed + rows < committed:
+            return None
+        accepted = rows - 1 - step.rejected[i] if decoding else 0
+        if verifies_previous(previous, step, i, decoding):
+            self.stats.record(previous.source, accepted + 1)
+            kept = retained_suffix(previous, accepted, step, i, context_features)
+            if kept is not None:
+                retained.append(kept)
+        return committed, accepted
+
+    def _fit_block(self, drafting: dict, cad, req_ids) -> dict:
+        """`drafting`, or none when the block would run past `max_model_len` (this step then verifies no drafts)."""
         if drafting and cad.max_seq_len + self.policy.block_size > self.max_model_len:
-            for i in drafting:  # the block would run past max_model_len: this step verifies no drafts
+            for i in drafting:
                 self.pending.pop(req_ids[i], None)
-            drafting = {}
-        keep = {i for i, _ in cond_rows} & set(drafting)
-        conditioning = None
-        if keep:
-            block = self.policy.block_size
-            rows = [i * block + s for (i, length) in cond_rows if i in keep for s in range(1, length + 1)]
-            states = [s for (i, _), s in zip(cond_rows, cond_states) if i in keep]
-            targets = [t for (i, _), t in zip(cond_rows, cond_targets) if i in keep]
-            conditioning = BlockConditioning(
-                rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-                states=torch.cat(states), target_context=torch.cat(targets),
-            )  # fmt: skip
-            self.stats.conditioned_blocks += len(keep)
-            self.stats.retained_slots += len(rows)
-        self._run_block(
-            drafting, proposals, conditioning, req_ids, target_token_ids, next_token_ids, target_positions,
-            context_features, cad, num_rejected_tokens_gpu,
-        )  # fmt: skip
-        self.stats.write()
-        if sum(self.stats.cycles.values()) // 200 != getattr(self, "_logged", 0):
-            self._logged = sum(self.stats.cycles.values()) // 200
-            logger.info(self.stats.log_line())
-        return proposals
+            return {}
+        return drafting
+
+    def _conditioning(self, retained: list, drafting: dict):
+        """The ReTrace conditioning of this step's drafter forward, from the suffixes of the requests that draft."""
+        conditioning = block_conditioning(retained, drafting, self.policy.block_size, self.device)
+        if conditioning is not None:
+            self.stats.conditioned_blocks += sum(r.index in drafting for r in retained)
+            self.stats.retained_slots += len(conditioning.rows)
+        return conditioning
 
     def _room(self, req_id: str, num_tokens: int) -> int:
         """Most tokens a cycle may propose so that what it commits fits `max_tokens` and `max_model_len` (the
@@ -201,51 +216,26 @@ class ReTraceDFlashProposer(DFlashProposer):
     def _lookup(self, tokens: np.ndarray, max_tokens: int) -> tuple[list[int] | None, str]:
         return lookup(self.sources, tokens, max_tokens)  # the shared candidate sources, vLLM-free (policy.py)
 
-    def _run_block(
-        self, drafting, proposals, conditioning, req_ids, target_token_ids, next_token_ids, target_positions,
-        context_features, cad, num_rejected_tokens_gpu,
-    ) -> None:  # fmt: skip
-        """Writes this step's context K/V, and when a request drafts runs the block forward and fills its
-        proposal (and keeps its states for ReTrace)."""
-        self.num_speculative_tokens = self.block_drafts
-        num_tokens, _, block_cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids, next_token_ids=next_token_ids, target_positions=target_positions,
-            target_hidden_states=context_features, token_indices_to_sample=None, cad=cad,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )  # fmt: skip
+    def _run_drafter(self, drafting: dict, proposals, conditioning, req_ids, step_inputs: dict) -> int:
+        """Writes this step's context K/V, and when a request drafts runs the block forward and fills its proposal
+        (and keeps its states for ReTrace). Returns the drafter slots run, `S` (0 when the forward is skipped)."""
+        num_tokens, block_cad = prepare_block_inputs(self, step_inputs)
         if not drafting:  # lookup cycles only: keep the drafter's context complete, skip its forward
-            num_context = self._dflash_num_context
-            self.model.precompute_and_store_context_kv(
-                context_features, self._context_positions_buffer[:num_context],
-                self._context_slot_mapping_buffer[:num_context],
-            )  # fmt: skip
-            return
-        _, per_layer = self.build_per_group_and_layer_attn_metadata(block_cad)
-        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(num_tokens)
-        model_kwargs, slot_mapping_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens, None)
-        self.model.conditioning = conditioning
-        try:
-            with set_forward_context(
-                per_layer, self.vllm_config, num_tokens=num_input_tokens, num_tokens_across_dp=across_dp,
-                cudagraph_runtime_mode=mode,
-                slot_mapping=self._get_slot_mapping(slot_mapping_size, block_cad.slot_mapping),
-            ):  # fmt: skip
-                hidden = self.model(**model_kwargs)
-        finally:
-            self.model.conditioning = None
+            num_context = step_inputs["target_token_ids"].shape[0]
+            write_context_kv(self, step_inputs["target_hidden_states"], num_context)
+            self.clock.lap("context_kv")
+            return 0
+        hidden = block_forward(self, num_tokens, block_cad, conditioning, self.clock.lap)
         self.stats.drafter_forwards += 1
-        block = self.policy.block_size
-        blocks = hidden[: len(req_ids) * block].view(len(req_ids), block, -1)  # [b, B, H]
-        order = sorted(drafting)
-        k_max = max(drafting.values())
-        states = blocks[order, 1 : 1 + k_max]  # [d, k, H]: mask slots 1..k
-        logits = self.model.compute_logits(states.reshape(-1, states.shape[-1]))  # [d * k, V]
-        logits = logits.view(len(order), k_max, -1)
-        drafts = logits.argmax(dim=-1).tolist()  # greedy drafts (exact for sampling too: q is one-hot)
-        keep = [k_max] * len(order)
-        if self.policy.confidence_threshold is not None:
-            confident = logits.float().softmax(-1).amax(-1) >= self.policy.confidence_threshold  # [d, k]
-            keep = confident.int().cumprod(dim=-1).sum(dim=-1).tolist()
+        self._take_drafts(hidden, drafting, proposals, req_ids)
+        self.clock.lap("drafter")
+        return num_tokens
+
+    def _take_drafts(self, hidden: torch.Tensor, drafting: dict, proposals, req_ids) -> None:
+        """Fills the drafting requests' proposals from the block forward's `[N, H]` states."""
+        order, drafts, keep, states = greedy_drafts(
+            self.model, hidden, drafting, len(req_ids), self.policy.block_size, self.policy.confidence_threshold
+        )
         for row, i in enumerate(order):
             count = min(drafting[i], keep[row])
             proposals[i] = drafts[row][:count]
@@ -257,3 +247,14 @@ class ReTraceDFlashProposer(DFlashProposer):
             pending.num_proposed = count
             if self.uses_retrace:
                 pending.states = states[row, :count].clone()
+
+    def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
+        """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
+        neither the proposer's nor the engine's time."""
+        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots)
+        self.stats.record_step(self.last_step.timings())
+        self.stats.write()
+        if sum(self.stats.cycles.values()) // 200 != self._logged:
+            self._logged = sum(self.stats.cycles.values()) // 200
+            logger.info(self.stats.log_line())
+        self.clock.close()

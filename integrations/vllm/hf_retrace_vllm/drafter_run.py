@@ -1,0 +1,75 @@
+"""The drafter's part of an engine step, on vLLM's DFlash machinery: the context-K/V write of the step's `R` rows,
+and the block forward (anchor + `B-1` mask slots a request) with its greedy drafts.
+
+The target's features of every verified row are written to the drafter's context K/V cache every step, lookup cycles
+included, so a lookup never leaves a hole in its context. `patches.HOOKS` and `patches.PRIVATE_ATTRIBUTES` list the
+vLLM methods and buffers used here.
+"""
+
+import torch
+from vllm.forward_context import set_forward_context
+
+
+def prepare_block_inputs(proposer, step_inputs: dict):
+    """Fills the proposer's query buffers for one block a request (`B` query slots each) from the step's verified
+    rows. Returns `(num_query_tokens, block_cad)` (vLLM's `DFlashProposer.set_inputs_first_pass`)."""
+    proposer.num_speculative_tokens = proposer.block_drafts  # the parent sizes blocks by it
+    num_tokens, _, block_cad = proposer.set_inputs_first_pass(token_indices_to_sample=None, **step_inputs)
+    return num_tokens, block_cad
+
+
+def write_context_kv(proposer, context_features: torch.Tensor, num_context: int) -> None:
+    """Writes the K/V of the step's `num_context` (`R`) rows of `[R, H]` context features to the drafter's cache
+    without running its forward (a step where no request drafts); `prepare_block_inputs` filled their positions and
+    slots."""
+    proposer.model.precompute_and_store_context_kv(
+        context_features, proposer._context_positions_buffer[:num_context],
+        proposer._context_slot_mapping_buffer[:num_context],
+    )  # fmt: skip
+
+
+def block_forward(proposer, num_tokens: int, block_cad, conditioning, timer) -> torch.Tensor:
+    """Writes the context K/V (`build_model_inputs_first_pass` does), then runs the block forward with the ReTrace
+    `conditioning` (or `None`). Returns `[num_tokens, H]` post-norm drafter states. `timer(part)` is called after
+    the context write (`"context_kv"`) and after the forward (`"drafter"`)."""
+    _, per_layer = proposer.build_per_group_and_layer_attn_metadata(block_cad)
+    mode, num_input_tokens, across_dp = proposer._determine_batch_execution_and_padding(num_tokens)
+    model_kwargs, slot_mapping_size = proposer.build_model_inputs_first_pass(num_tokens, num_input_tokens, None)
+    timer("context_kv")
+    proposer.model.conditioning = conditioning
+    try:
+        with set_forward_context(
+            per_layer, proposer.vllm_config, num_tokens=num_input_tokens, num_tokens_across_dp=across_dp,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=proposer._get_slot_mapping(slot_mapping_size, block_cad.slot_mapping),
+        ):  # fmt: skip
+            return proposer.model(**model_kwargs)
+    finally:
+        proposer.model.conditioning = None
+
+
+def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block_size: int, threshold):
+    """The greedy drafts of the requests that draft.
+
+    Args:
+        model: the drafter (`compute_logits` maps states to logits over the target vocabulary, via `d2t`).
+        hidden (`torch.Tensor` of shape `(N, H)`): the block forward's states, `batch` blocks of `block_size` first.
+        drafting (`dict[int, int]`): batch row -> most drafts to propose.
+        threshold (`float` or `None`): the confidence stop: drafts are kept while the drafter's top-1 probability
+            stays at or above it.
+
+    Returns:
+        `(order, drafts, keep, states)`: the drafting rows in order, their `k_max` greedy drafts each, how many of
+        them pass the confidence stop, and `[d, k_max, H]` the states of mask slots `1..k_max`.
+    """
+    blocks = hidden[: batch * block_size].view(batch, block_size, -1)  # [b, B, H]
+    order = sorted(drafting)
+    k_max = max(drafting.values())
+    states = blocks[order, 1 : 1 + k_max]  # [d, k, H]: mask slots 1..k
+    logits = model.compute_logits(states.reshape(-1, states.shape[-1])).view(len(order), k_max, -1)  # [d, k, V]
+    drafts = logits.argmax(dim=-1).tolist()  # greedy drafts (exact for sampling too: q is one-hot)
+    keep = [k_max] * len(order)
+    if threshold is not None:
+        confident = logits.float().softmax(-1).amax(-1) >= threshold  # [d, k]
+        keep = confident.int().cumprod(dim=-1).sum(dim=-1).tolist()
+    return order, drafts, keep, states

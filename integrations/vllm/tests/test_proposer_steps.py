@@ -1,0 +1,100 @@
+"""The proposer's steps as the step-cost model sees them: a renamed vLLM attribute fails at start-up naming the
+supported version; after a short generation every engine step has a `StepRecord` with sane rows, drafter slots and
+timings (also summed into the stats file); the start-up profile's samples grow with the rows and slots they time."""
+
+import json
+import types
+
+import pytest
+from test_lossless_random import write_drafter
+
+from conftest import close_llm, greedy, make_llm
+from hf_retrace_vllm import STATS_ENV, patches, profile
+
+
+BLOCK = 16  # the random drafter's block_size
+
+
+def test_missing_private_attribute_is_a_clear_error():
+    batch = types.SimpleNamespace(req_ids=[], num_tokens_no_spec=None, num_computed_tokens_cpu=None)  # no token_ids_cpu
+    with pytest.raises(patches.UnsupportedVllmError, match=r"supports vLLM 0\.32\.0 only.*InputBatch.*token_ids_cpu"):
+        patches.check_attributes(batch, "InputBatch")
+    batch.token_ids_cpu = None
+    patches.check_attributes(batch, "InputBatch")
+
+
+def test_attribute_no_longer_assigned_is_a_clear_error(monkeypatch):
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    def __post_init__(self):
+        self.prompt_length = 0  # vLLM renamed num_prompt_tokens
+
+    monkeypatch.setattr(CachedRequestState, "__post_init__", __post_init__)
+    with pytest.raises(patches.UnsupportedVllmError, match=r"0\.32\.0.*__post_init__ no longer sets.*num_prompt"):
+        patches.check()
+
+
+def test_profile_is_skipped_when_disabled(monkeypatch):
+    drafter = types.SimpleNamespace(startup_profile=None)
+    monkeypatch.setenv(profile.PROFILE_ENV, "0")
+    profile.profile_after_warm_up(types.SimpleNamespace(model_runner=types.SimpleNamespace(drafter=drafter)))
+    assert drafter.startup_profile is None
+
+
+@pytest.fixture(scope="module")
+def engine_run(target, tmp_path_factory, monkeypatch_module):
+    """One short generation in an in-process engine (so the proposer is reachable) with a random drafter:
+    `(proposer, stats)`."""
+    root = tmp_path_factory.mktemp("steps")
+    write_drafter(root / "drafter", plain=False)
+    monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch_module.setenv(STATS_ENV, str(root / "stats.json"))
+    monkeypatch_module.setenv(profile.PROFILE_ENV, "1")
+    llm = make_llm(target, {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": 3})
+    try:
+        greedy(llm, max_tokens=24)
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        return runner.drafter, json.loads((root / "stats.json").read_text())
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_step_records_are_sane(engine_run):
+    proposer, stats = engine_run
+    records = list(proposer.step_records)
+    assert proposer.last_step is records[-1] and len(records) == stats["steps"] > 10
+    assert records[0].engine_seconds is None and all(r.engine_seconds > 0 for r in records[1:])
+    for r in records:
+        # a decode step verifies 1 + (0..3) rows a request; the first step is the prompts' prefill
+        assert r.rows >= r.requests >= 1
+        assert r.drafter_slots in (0, r.requests * BLOCK)
+        parts = r.policy_seconds + r.context_kv_seconds + r.drafter_seconds
+        assert min(r.policy_seconds, r.context_kv_seconds, r.drafter_seconds) >= 0 and parts <= r.propose_seconds
+        assert (r.drafter_seconds > 0) == (r.drafter_slots > 0)
+    decode = [r for r in records[1:] if r.rows <= 4 * r.requests]
+    assert decode and any(r.drafter_slots for r in decode) and any(r.rows > r.requests for r in decode)
+    assert stats["timings"]["drafter"] == pytest.approx(sum(r.drafter_seconds for r in records))
+    assert stats["timings"]["engine"] == pytest.approx(sum(r.engine_seconds for r in records[1:]))
+
+
+def _grows(samples) -> bool:
+    """Larger sizes cost more from end to end, with no step down beyond timing noise."""
+    times = [t for _, t in sorted(samples)]
+    return times[-1] > times[0] and all(b >= 0.7 * a for a, b in zip(times, times[1:]))
+
+
+def test_startup_profile_grows_with_rows_and_slots(engine_run):
+    proposer, _ = engine_run
+    result = proposer.startup_profile
+    assert result is not None, "no start-up profile after vLLM's warm-up"
+    assert [r for r, _ in result.target] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [s for s, _ in result.drafter] == [BLOCK * n for n in profile.DRAFTER_BLOCKS]
+    assert all(t > 0 for _, t in result.target + result.drafter)
+    assert _grows(result.target) and _grows(result.drafter), result
+    assert result.seconds < 30
