@@ -10,7 +10,7 @@ from serving_methods import GROUPS
 from serving_records import GREEDY, SAMPLED, TAU_NOTE
 
 
-PROPOSER_SOURCES = ("lookup", "datastore", "draft")  # the hf-retrace plugin's proposer, cycles by source
+PROPOSER_SOURCES = ("lookup", "datastore", "online_datastore", "draft")  # the plugin proposer's cycles by source
 PLOT = "tokens_per_s.png"
 
 
@@ -161,7 +161,7 @@ def _proposer_lines(rows: list[dict]) -> list[str]:
     if not picked:
         return []
     lines = ["", "## hf-retrace proposer in vLLM: cycles / committed tokens by source (greedy, pooled)", "",
-             "| method | mode | concurrency | lookup | datastore | draft | tau over these cycles |",
+             "| method | mode | concurrency | lookup | datastore | online datastore | draft | tau over these cycles |",
              "|---|---|---:|---|---|---|---:|"]  # fmt: skip
     for r in picked:
         c = r["spec_decode_counters"]

@@ -216,7 +216,7 @@ def test_counters_split_by_share_and_peaks_kept_whole():
     assert pool["peaks"]["online_datastore_bytes"] == 3 * 2**20  # a gauge is not shared out
     md = report.render_markdown(rows, _run_info(), [], [])
     assert "| vllm_dflash | compiled | 2 | 10 | 20.00 | 4.00 | 10 | 5.00 | 3.00 MiB |" in md  # ms/step, drafter
-    assert "| vllm_dflash | compiled | 2 | 0 / 0 | 0 / 0 | 4 / 6 | 1.500 |" in md
+    assert "| vllm_dflash | compiled | 2 | 0 / 0 | 0 / 0 | 0 / 0 | 4 / 6 | 1.500 |" in md
 
 
 def _run_info(**extra):

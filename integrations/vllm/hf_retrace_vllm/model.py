@@ -4,7 +4,7 @@
   anchor embedding (transformers side: `AnchorBroadcast`);
 - ReTrace conditioning (`retrace.correction.weight` `W_c`, `retrace.gate` `g`, `retrace.value_proj.weight` `W_v`):
   mask slots `1..L` of a block get the previous cycle's retained drafter states `h_j`, corrected with the target's
-  verification features `t_j` (DESIGN §1.2; transformers side: `ReTraceTrajectoryEncoder`):
+  verification features `t_j` (`docs/design.md`; transformers side: `ReTraceTrajectoryEncoder`):
 
       h~_j = h_j + W_c([h_j ; t_j])     (mode "corrected" only)
       e'_j = e_j + g * W_v(h~_j)        (mode "overwrite": e'_j = h_j)
@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 from .policy import DraftPolicy
 
 
-DATASTORE_TENSOR = "token_ids"  # the one tensor of datastore.safetensors (FORMAT.md §1)
+DATASTORE_TENSOR = "token_ids"  # the one tensor of datastore.safetensors (`docs/formats.md`)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class BlockConditioning:
 
 
 class DFlashReTraceDraftModel(DFlashQwen3ForCausalLM):
-    """vLLM DFlash drafter with the anchor term and ReTrace modules of an hf-retrace export (FORMAT.md §2)."""
+    """vLLM DFlash drafter with the anchor term and ReTrace modules of an hf-retrace export (`docs/formats.md`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)

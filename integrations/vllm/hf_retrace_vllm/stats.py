@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 STATS_ENV = "HF_RETRACE_VLLM_STATS"
-SOURCES = ("lookup", "datastore", "draft")
+SOURCES = ("lookup", "datastore", "draft")  # always reported; a registered source adds its own name on its first cycle
 
 
 @dataclass
@@ -20,7 +20,8 @@ class ProposerStats:
     """Counts over verification cycles (one cycle = one target forward that verified a proposal of a request).
 
     Attributes:
-        cycles (`dict[str, int]`): cycles by source: `lookup` (prompt lookup), `datastore`, `draft` (the drafter).
+        cycles (`dict[str, int]`): cycles by source: `lookup` (prompt lookup), `datastore`, `draft` (the drafter),
+            and any other registered candidate source by its name (e.g. `online_datastore`).
         committed (`dict[str, int]`): tokens committed by those cycles, the bonus/correction token included.
         drafter_forwards (`int`): drafter forward passes (one per engine step that had a drafting request).
         conditioned_blocks (`int`): drafted blocks that received a ReTrace rejected trajectory.
@@ -41,8 +42,8 @@ class ProposerStats:
     online_datastore_bytes: int | None = None
 
     def record(self, source: str, committed: int) -> None:
-        self.cycles[source] += 1
-        self.committed[source] += committed
+        self.cycles[source] = self.cycles.get(source, 0) + 1
+        self.committed[source] = self.committed.get(source, 0) + committed
 
     def record_step(self, timings: dict[str, float]) -> None:
         """Counts one proposer step and adds the seconds of its timed parts (`{"policy": s, "drafter": s, ...}`)."""
@@ -63,7 +64,7 @@ class ProposerStats:
         return {**asdict(self), "tau": self.tau}
 
     def log_line(self) -> str:
-        by_source = ", ".join(f"{s} {self.cycles[s]}/{self.committed[s]}" for s in SOURCES)
+        by_source = ", ".join(f"{s} {self.cycles[s]}/{self.committed[s]}" for s in self.cycles)
         return (
             f"hf-retrace proposer: tau {self.tau:.3f} over {sum(self.cycles.values())} cycles (cycles/tokens: "
             f"{by_source}); {self.drafter_forwards} drafter forwards, {self.conditioned_blocks} ReTrace-conditioned"
