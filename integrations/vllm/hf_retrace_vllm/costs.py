@@ -1,0 +1,182 @@
+"""The engine's step-cost model for the cost-aware policy (docs/cost-aware-speculation.md): `t(R)`, the time of a
+step whose target verifies `R` rows, and `d(S)`, the drafter's forward of `S` slots, on this host.
+
+Where the model comes from, in order:
+1. the per-host cache file (`default_cache_path(key)`, under `HF_RETRACE_CACHE`), when its key matches this host
+   and configuration (`engine_key`: target path and config, dtype, bound threads, compiled or eager, vLLM version,
+   drafter); a file for another host or configuration, or a corrupt one, is re-measured, never trusted;
+2. the start-up profile's samples (profile.py, when `HF_RETRACE_VLLM_PROFILE=1`);
+3. else a prior of the right shape (`prior_model`), scaled to this host by the first observed steps.
+
+Every engine step refreshes it online from the proposer's `StepRecord` (steps.py): the step's wall time less the
+drafter's forward is `t(R)`, the drafter's forward is `d(S)`. A step far slower than predicted is idle time between
+requests, not cost, and is skipped. The model is saved every `SAVE_EVERY` refreshes and at engine exit.
+
+numpy and the standard library only (with the shared `cost_model_retrace.py`), so it runs without an engine.
+"""
+
+import atexit
+import hashlib
+import logging
+import os
+import statistics
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel, default_cache_path, host_key
+
+
+logger = logging.getLogger(__name__)
+
+VLLM_EXTRA = "vllm-0.32"
+SAVE_EVERY = 500  # refreshes between saves of the cache file
+IDLE_FACTOR = 5.0  # a step this many times slower than predicted is idle time, not cost
+WARM_STEPS = 4  # observed steps whose median scales the prior to this host
+# The prior's shape, relative to a one-row target step: ~19.2 ms for 1 row and ~38.8 ms for 8 on the development
+# host (vLLM compiled, SmolLM2-135M, 2 cores), so a row costs ~0.146 of a one-row step; a drafter block of 16 slots
+# ~0.35 of it, and 8 blocks about as much as the 8-row target step.
+PRIOR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PRIOR_ROW_SLOPE = 0.146
+PRIOR_SLOTS = (16, 32, 64, 128, 256)
+PRIOR_DRAFTER = (0.12, 0.0145)  # d(S) / t(1) = a + b * S
+PRIOR_ONE_ROW_SECONDS = 0.02  # t(1) before the first observed steps
+
+
+def bound_threads(bind: str | None = None) -> int:
+    """Cores a CPU worker computes on: `VLLM_CPU_OMP_THREADS_BIND` (`"0-1"`, `"0,2,4"`, `"0-3|4-7"`: the first
+    rank's list), or this process's CPU affinity when unset, `"auto"` or `"nobind"`."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") if bind is None else bind
+    first = bind.split("|")[0].strip()
+    if first in ("", "auto", "nobind", "all"):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = set()
+    for part in first.split(","):
+        low, _, high = part.strip().partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return len(cores)
+
+
+def engine_key(target: str, dtype: str, num_threads: int, compiled: bool, drafter: str = "") -> HostKey:
+    """The cache key of one engine configuration on this host. The target is named by its path and a digest of its
+    `config.json` (so a changed checkpoint in the same folder is re-measured); the drafter's path is in `extra`,
+    since `d(S)` depends on it."""
+    config = Path(target, "config.json")
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "no-config"
+    return host_key("vllm", f"{target}@{digest}", dtype, num_threads, compiled, f"{VLLM_EXTRA};drafter={drafter}")
+
+
+def key_from_vllm_config(vllm_config) -> HostKey:
+    """[`engine_key`] of a `VllmConfig` (compiled: compilation mode other than `NONE`)."""
+    model_config = vllm_config.model_config
+    mode = vllm_config.compilation_config.mode
+    drafter = vllm_config.speculative_config.draft_model_config.model if vllm_config.speculative_config else ""
+    return engine_key(model_config.model, str(model_config.dtype), bound_threads(), int(mode or 0) != 0, drafter)
+
+
+def prior_model(one_row_seconds: float = PRIOR_ONE_ROW_SECONDS) -> StepCostModel:
+    """The prior's curves (module constants), for a host whose one-row target step takes `one_row_seconds`."""
+    rows = np.array(PRIOR_ROWS, dtype=np.float64)
+    slots = np.array(PRIOR_SLOTS, dtype=np.float64)
+    target = CostCurve(rows, one_row_seconds * (1.0 + PRIOR_ROW_SLOPE * (rows - 1)))
+    drafter = CostCurve(slots, one_row_seconds * (PRIOR_DRAFTER[0] + PRIOR_DRAFTER[1] * slots))
+    return StepCostModel(target, drafter)
+
+
+def step_costs(record) -> tuple[float, float] | None:
+    """`(target_seconds, drafter_seconds)` of one `StepRecord`, or `None` when the engine's part is unknown (the
+    first step). The target's part is the whole step (engine, bookkeeping, context K/V) less the drafter's forward,
+    so `t(R) + d(S)` predicts a step's wall time."""
+    if record.engine_seconds is None or record.rows <= 0:
+        return None
+    return record.engine_seconds + record.propose_seconds - record.drafter_seconds, record.drafter_seconds
+
+
+class EngineCosts:
+    """The engine's [`StepCostModel`] with where it came from, its online refresh and its cache file.
+
+    Args:
+        key ([`HostKey`]): this host and configuration; `path` defaults to `default_cache_path(key)`.
+        save_at_exit (`bool`): save the refreshed model when the process exits.
+
+    Attributes:
+        model ([`StepCostModel`]): `t(R)` and `d(S)`, what the policy plans with.
+        source (`str`): `"cache"`, `"profile"` or `"prior"` (until `WARM_STEPS` steps scale it: `"prior-scaled"`).
+        skipped (`int`): steps skipped as idle time.
+    """
+
+    def __init__(self, key: HostKey, path=None, save_at_exit: bool = True):
+        self.key = key
+        self.path = Path(path) if path is not None else default_cache_path(key)
+        self.model, self.source = self._load(), "cache"
+        if self.model is None:
+            self.model, self.source = prior_model(), "prior"
+        self.skipped = 0
+        self._warm: list[tuple[float, float, float, float]] = []  # (target s, t(R), drafter s, d(S)) of early steps
+        self._since_save = 0
+        if save_at_exit:
+            ref = weakref.ref(self)
+            atexit.register(lambda: ref() is not None and ref().save())
+
+    def _load(self) -> StepCostModel | None:
+        try:
+            return StepCostModel.load(self.path, self.key)
+        except ValueError as error:  # a corrupt cache file: the engine still starts, and measures again
+            logger.warning("hf-retrace: %s; re-measuring", error)
+            return None
+
+    def use_profile(self, target_samples, drafter_samples) -> None:
+        """Fits the model to the start-up profile's `(size, seconds)` samples, unless the cache file matched."""
+        if self.source == "cache" or not target_samples or not drafter_samples:
+            return
+        self.model, self.source = StepCostModel.fit(target_samples, drafter_samples), "profile"
+        self.save()
+
+    def observe(self, record) -> bool:
+        """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle)."""
+        costs = step_costs(record)
+        if costs is None:
+            return False
+        target_s, drafter_s = costs
+        rows, slots = record.rows, record.drafter_slots
+        if self.source == "prior":
+            return self._warm_up(rows, slots, target_s, drafter_s)
+        if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
+            self.skipped += 1
+            return False
+        self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None)
+        self._since_save += 1
+        if self._since_save >= SAVE_EVERY:
+            self.save()
+        return True
+
+    def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float) -> bool:
+        """Collects the first steps, then scales the prior's target curve by their median ratio to it, and its
+        drafter curve by the drafting steps' ratio (the target's when none drafted yet)."""
+        d_pred = self.model.drafter_seconds(slots) if slots else 0.0
+        self._warm.append((target_s, self.model.target_seconds(rows), drafter_s, d_pred))
+        if len(self._warm) < WARM_STEPS:
+            return True
+        target_scale = statistics.median(t / p for t, p, _, _ in self._warm)
+        drafted = [d / p for _, _, d, p in self._warm if p > 0]
+        drafter_scale = statistics.median(drafted) if drafted else target_scale
+        self.model = StepCostModel(
+            CostCurve(self.model.target.sizes, self.model.target.seconds * target_scale),
+            CostCurve(self.model.drafter.sizes, self.model.drafter.seconds * drafter_scale),
+        )
+        self.source, self._warm = "prior-scaled", []
+        logger.info("hf-retrace step costs: prior scaled to this host, t(1) %.1f ms, d(16) %.1f ms",
+                    self.model.target_seconds(1) * 1e3, self.model.drafter_seconds(16) * 1e3)  # fmt: skip
+        self.save()
+        return True
+
+    def save(self) -> None:
+        """Writes the model to the cache file (not a prior no step has scaled yet)."""
+        if self.source == "prior":
+            return
+        try:
+            self.model.save(self.path, self.key)
+            self._since_save = 0
+        except OSError as error:  # a read-only cache: the engine runs on, and measures again next start
+            logger.warning("hf-retrace: could not save the step-cost model to %s (%s)", self.path, error)
