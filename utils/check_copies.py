@@ -23,6 +23,11 @@ SHARED_FILES = (
     "lookup_retrace.py",
     "sources_retrace.py",
     "policy_settings_retrace.py",
+    "acceptance_retrace.py",
+    "cost_model_retrace.py",
+    "goodput_retrace.py",
+    "online_datastore_retrace.py",
+    "speculation_retrace.py",
 )
 ORIGINALS = Path("hf_retrace/models")
 COPIES = Path("integrations/vllm/hf_retrace_vllm/shared")

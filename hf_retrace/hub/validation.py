@@ -23,7 +23,8 @@ from ..models.modeling_retrace import ReTraceDrafterModel
 CODE_FILES = (
     "configuration_retrace.py", "modeling_retrace.py", "generation_retrace.py", "sources_retrace.py",
     "decoding_retrace.py", "draft_head_retrace.py", "hook_retrace.py", "drafter_files_retrace.py",
-    "lookup_retrace.py", "datastore_file_retrace.py", "policy_settings_retrace.py",
+    "lookup_retrace.py", "datastore_file_retrace.py", "policy_settings_retrace.py", "acceptance_retrace.py",
+    "cost_model_retrace.py", "goodput_retrace.py", "online_datastore_retrace.py", "speculation_retrace.py",
 )  # fmt: skip
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 

@@ -5,7 +5,7 @@
 # plugin's copy (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
 """The drafting policy's settings, one definition for both engines: the names and defaults (the drafter's own, then
 one setting and its options per registered [`CandidateSource`]), their checks, the names of the vLLM export's
-`hf_retrace` block, the ReTrace modes and the confidence stop.
+`hf_retrace` block, the ReTrace modes, the speculation policies and the confidence stop.
 
 The transformers side reads the settings from the drafter's `generation_config` (`decoding_retrace`); the vLLM
 plugin from the `hf_retrace` block of an exported folder's `config.json` (`docs/formats.md`).
@@ -20,9 +20,13 @@ from .sources_retrace import CandidateSource
 
 RETRACE_MODES = ("off", "overwrite", "gated", "corrected")
 DRAFT_LOGITS_DTYPES = (None, "float32", "bfloat16", "float16")
+# "goodput": the cost-aware choice of source and verified tokens per step; "fixed": the first source that proposes,
+# else `num_assistant_tokens` drafts and the confidence stop (`speculation_retrace`, docs/cost-aware-speculation.md)
+SPECULATION_POLICIES = ("goodput", "fixed")
 # The drafter's own settings (`None` = unset); the sources' come from the registry. `draft_logits_dtype` is not
 # exported: in vLLM the draft head runs in the engine's dtype.
-DRAFTER_DEFAULTS = {"num_assistant_tokens": None, "assistant_confidence_threshold": None, "draft_logits_dtype": None}
+DRAFTER_DEFAULTS = {"num_assistant_tokens": None, "assistant_confidence_threshold": None, "draft_logits_dtype": None,
+                    "speculation_policy": "fixed"}  # fmt: skip
 NOT_EXPORTED = ("draft_logits_dtype",)
 
 
@@ -59,9 +63,11 @@ class ReTraceDecodingSettings:
         num_assistant_tokens (`int`): `k`, drafts verified per block (`block_size - 1` when unset).
         assistant_confidence_threshold (`float`, *optional*): the confidence stop, or `None`.
         draft_logits_dtype (`str`, *optional*): dtype of the draft lm head, `None` for the target's own.
+        speculation_policy (`str`): `"goodput"` (cost-aware; the token counts above and below are caps) or `"fixed"`.
         and per registered source its `setting` (`None` = off) and `options`: prompt lookup
             (`prompt_lookup_num_tokens`, `max_matching_ngram_size`, `prompt_lookup_min_ngram_size`), datastore lookup
-            (`datastore_num_tokens`, `datastore_max_ngram_size`, `datastore_min_ngram_size`).
+            (`datastore_num_tokens`, `datastore_max_ngram_size`, `datastore_min_ngram_size`), the online datastore
+            (`online_datastore_num_tokens`, `online_datastore_max_bytes`).
     """
 
     def __init__(self, values: dict):
@@ -123,6 +129,9 @@ def check_settings(values: dict, block_size: int, available: frozenset = frozens
     if values["draft_logits_dtype"] not in DRAFT_LOGITS_DTYPES:
         dtype = values["draft_logits_dtype"]
         raise ValueError(f"draft_logits_dtype must be one of {DRAFT_LOGITS_DTYPES}, got {dtype!r}")
+    if values["speculation_policy"] not in SPECULATION_POLICIES:
+        policy = values["speculation_policy"]
+        raise ValueError(f"speculation_policy must be one of {SPECULATION_POLICIES}, got {policy!r}")
     for source in CandidateSource.registry:
         source.check(values)
         if values[source.setting] is not None and source.needs is not None and source.needs not in available:
@@ -179,6 +188,7 @@ def num_confident(confidence: np.ndarray, threshold: float) -> np.ndarray:
 
 
 __all__ = [
-    "DECODING_DEFAULTS", "DRAFT_LOGITS_DTYPES", "RETRACE_MODES", "ReTraceDecodingSettings", "check_settings",
+    "DECODING_DEFAULTS", "DRAFT_LOGITS_DTYPES", "RETRACE_MODES", "SPECULATION_POLICIES", "ReTraceDecodingSettings",
+    "check_settings",
     "export_names", "export_policy", "num_confident", "resolve_settings", "settings_from_export",
 ]  # fmt: skip

@@ -1,8 +1,8 @@
 # Copied from hf_retrace/models/sources_retrace.py by utils/check_copies.py --fix; edit the original.
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
-# Shared policy file: imports numpy, the standard library and `.lookup_retrace` only. It is a Hub file and the vLLM
-# plugin's copy (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
+# Shared policy file: imports numpy, the standard library and `.lookup_retrace`, `.acceptance_retrace`,
+# `.goodput_retrace`, `.online_datastore_retrace` only. It is a Hub file and the vLLM plugin's copy (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
 """Candidate sources: cheap proposals tried before the drafter, in priority order, one class each.
 
 Each cycle an engine asks its sources in turn (prompt lookup, then the datastore); the first that proposes anything
@@ -14,11 +14,19 @@ A new source is one subclass of [`CandidateSource`]: its `name`, its `priority`,
 its other `options` with their defaults. Subclasses register themselves, and the registry drives everything else: the
 decoding settings and their checks (`policy_settings_retrace`), the vLLM export's policy block, the offline replay
 and the plugin's proposer.
+
+Under the cost-aware policy (`speculation_retrace`, docs/cost-aware-speculation.md) every source is asked, and each
+returns its proposal with the features the acceptance estimator scores ([`CandidateSource.propose_with_features`]).
+A source that learns from what is served (the online datastore) follows each request through the lifecycle hooks
+`start`, `commit` and `finish`; the others ignore them.
 """
 
 import numpy as np
 
-from .lookup_retrace import NgramDatastore, prompt_lookup
+from .acceptance_retrace import SOURCE_KINDS, ProposalFeatures
+from .goodput_retrace import Proposal
+from .lookup_retrace import NgramDatastore, _suffix_keys, prompt_lookup
+from .online_datastore_retrace import OnlineDatastore
 
 
 class CandidateSource:
@@ -31,6 +39,7 @@ class CandidateSource:
         options (`dict[str, int]`): its other decoding settings, with their defaults.
         export_names (`dict[str, str]`): settings named otherwise in the vLLM export's `hf_retrace` block.
         needs (`str`, *optional*): what the engine must hold for the source to run (`"datastore"`).
+        uses_request (`bool`): whether `propose` takes the `request_id` keyword (sources with per-request state).
     """
 
     name: str
@@ -39,6 +48,7 @@ class CandidateSource:
     options: dict = {}
     export_names: dict = {}
     needs: str | None = None
+    uses_request: bool = False
     registry: list[type["CandidateSource"]] = []  # every subclass, in priority order
 
     def __init_subclass__(cls, **kwargs):
@@ -69,6 +79,37 @@ class CandidateSource:
         """
         raise NotImplementedError
 
+    def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
+        """[`propose`], with what the acceptance estimator reads of it (`acceptance_retrace.ProposalFeatures`).
+
+        The default knows no match length: a source without its own kind in `acceptance_retrace.SOURCE_KINDS` is
+        estimated in prompt lookup's table at match length 0, a row prompt lookup itself never uses.
+        """
+        proposal = self._ask(tokens, max_tokens, request_id)
+        if not proposal:
+            return None
+        return Proposal(self.estimator_key, list(proposal), ProposalFeatures.lookup(0, len(proposal)))
+
+    @property
+    def estimator_key(self) -> str:
+        """The source's table in the acceptance estimator (its `name` when the estimator knows it)."""
+        return self.name if self.name in SOURCE_KINDS else "prompt_lookup"
+
+    def _ask(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> list[int] | None:
+        if self.uses_request:
+            return self.propose(tokens, max_tokens, request_id=request_id)
+        return self.propose(tokens, max_tokens)
+
+    # Lifecycle hooks, no-ops unless a source keeps per-request state. Engines call them for every source.
+    def start(self, request_id, prompt_tokens) -> None:
+        """A new request with its prompt (`prompt_tokens`, token ids)."""
+
+    def commit(self, request_id, new_tokens) -> None:
+        """Tokens the target just committed for `request_id`, in order."""
+
+    def finish(self, request_id) -> None:
+        """The request ended (finished or aborted); free its state."""
+
 
 def _check_ngram_sizes(cls, values: dict, max_name: str, min_name: str) -> None:
     """The n-gram size check prompt lookup and datastore lookup share."""
@@ -97,6 +138,15 @@ class PromptLookupSource(CandidateSource):
     def propose(self, tokens: np.ndarray, max_tokens: int) -> list[int] | None:
         return prompt_lookup(tokens, min(self.num_tokens, max_tokens), *self.ngram_sizes)
 
+    def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
+        # one size at a time, longest first: the same match as `propose` (same cost), and its length
+        longest, shortest = self.ngram_sizes
+        for n in range(longest, shortest - 1, -1):
+            proposal = prompt_lookup(tokens, min(self.num_tokens, max_tokens), n, n)
+            if proposal:
+                return Proposal(self.name, proposal, ProposalFeatures.lookup(n, len(proposal)))
+        return None
+
 
 class DatastoreSource(CandidateSource):
     """Datastore lookup (REST; `datastore_num_tokens`): the walk of an [`NgramDatastore`] over the drafter's
@@ -119,6 +169,77 @@ class DatastoreSource(CandidateSource):
     def propose(self, tokens: np.ndarray, max_tokens: int) -> list[int] | None:
         return self.index.candidates(tokens, max_tokens)
 
+    def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
+        proposal = self.index.candidates(tokens, max_tokens)
+        if not proposal:
+            return None
+        # the index keeps each n-gram's most frequent continuation, not its count: the estimator learns this
+        # source's acceptance per match length (one probability bin, the middle one)
+        match = _match_length(self.index, [int(t) for t in tokens[-self.index.ngram_sizes[0] :]])
+        features = ProposalFeatures.continuation(match, np.full(len(proposal), 0.5))
+        return Proposal(self.name, proposal, features)
+
+
+def _match_length(index: NgramDatastore, context: list[int]) -> int:
+    """The longest n-gram ending `context` that `index` holds (what its first lookup step matched), 0 if none."""
+    keys = _suffix_keys(context, index.ngram_sizes)
+    for n in index.ngram_sizes:  # longest first
+        if n in keys:
+            table_keys, positions = index.tables[n]
+            at = int(np.searchsorted(table_keys, keys[n]))
+            if at < table_keys.shape[0] and int(table_keys[at]) == keys[n]:
+                position = int(positions[at])
+                if index.token_ids[position - n : position].tolist() == context[-n:]:
+                    return n
+    return 0
+
+
+class OnlineDatastoreSource(CandidateSource):
+    """The online datastore (`online_datastore_num_tokens`): n-gram continuations learned from the requests served,
+    each request's prompt and output and the recent responses of finished ones ([`OnlineDatastore`],
+    docs/cost-aware-speculation.md). The index lives as long as `resources.online_datastore(max_bytes)` keeps it (the
+    transformers drafter keeps it across `generate` calls); without that method the source holds its own.
+    """
+
+    name, priority, setting = "online_datastore", 30, "online_datastore_num_tokens"
+    options = {"online_datastore_max_bytes": 32 * 2**20}
+    uses_request = True
+    min_probability = 0.1  # a walk stops where its path probability falls below this
+
+    def __init__(self, settings, resources):
+        super().__init__(settings, resources)
+        max_bytes = settings.online_datastore_max_bytes
+        make = getattr(resources, "online_datastore", None)
+        self.store: OnlineDatastore = make(max_bytes) if callable(make) else OnlineDatastore(max_bytes=max_bytes)
+
+    @classmethod
+    def check(cls, values: dict) -> None:
+        super().check(values)
+        max_bytes = values["online_datastore_max_bytes"]
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"online_datastore_max_bytes must be an int >= 0, got {max_bytes!r}")
+
+    def _walk(self, tokens: np.ndarray, max_tokens: int, request_id):
+        return self.store.propose(request_id, tokens, min(self.num_tokens, max_tokens), self.min_probability)
+
+    def propose(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> list[int] | None:
+        return self._walk(tokens, max_tokens, request_id).tokens or None
+
+    def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
+        found = self._walk(tokens, max_tokens, request_id)
+        if not found.tokens:
+            return None
+        return Proposal(self.name, found.tokens, ProposalFeatures.continuation(found.match_length, found.probabilities))
+
+    def start(self, request_id, prompt_tokens) -> None:
+        self.store.start(request_id, prompt_tokens)
+
+    def commit(self, request_id, new_tokens) -> None:
+        self.store.add_tokens(request_id, new_tokens)
+
+    def finish(self, request_id) -> None:
+        self.store.finish(request_id)
+
 
 def source_order() -> list[str]:
     """The names of the registered sources, in the order a cycle asks them."""
@@ -132,18 +253,18 @@ def candidate_sources(settings, resources) -> list[CandidateSource]:
 
 
 def propose_from_sources(
-    sources: list[CandidateSource], tokens: np.ndarray, max_tokens: int
+    sources: list[CandidateSource], tokens: np.ndarray, max_tokens: int, request_id=None
 ) -> tuple[CandidateSource | None, list[int] | None]:
     """`(source, tokens)` of the first source in `sources` that proposes, or `(None, None)` when none does (the
-    drafter's cycle). `max_tokens` is the room left, at least 1."""
+    drafter's cycle). `max_tokens` is the room left, at least 1; `request_id` goes to the sources that use it."""
     for source in sources:
-        proposal = source.propose(tokens, max_tokens)
+        proposal = source._ask(tokens, max_tokens, request_id)
         if proposal:
             return source, proposal
     return None, None
 
 
 __all__ = [
-    "CandidateSource", "DatastoreSource", "PromptLookupSource", "candidate_sources", "propose_from_sources",
-    "source_order",
+    "CandidateSource", "DatastoreSource", "OnlineDatastoreSource", "PromptLookupSource", "candidate_sources",
+    "propose_from_sources", "source_order",
 ]  # fmt: skip

@@ -1,0 +1,214 @@
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+#
+# Shared policy file: imports numpy, the standard library and `.acceptance_retrace`, `.cost_model_retrace`,
+# `.goodput_retrace`, `.sources_retrace`, `.policy_settings_retrace` only. It is a Hub file and the vLLM plugin's copy
+# (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
+"""The speculation step both engines call every step: which source proposes for each request and how many tokens
+are verified, under either policy (docs/cost-aware-speculation.md).
+
+- `"fixed"`: the first candidate source that proposes, else the drafter with `num_assistant_tokens` drafts cut by
+  the confidence stop. This is the policy of the engines before the cost-aware one, proposal for proposal.
+- `"goodput"`: every source proposes, and [`plan_step`] / [`choose_num_verified`] pick, per request, the source and
+  the number of verified tokens (0 allowed) that maximise the batch's expected committed tokens per second, from the
+  step-cost model and the calibrated acceptance estimates. The `*_num_tokens` settings and `num_assistant_tokens`
+  are caps; the engine's own (`max_tokens` per request) applies on top.
+
+One step, in an engine:
+
+```python
+plan = policy.plan([(request_id, tokens, max_tokens), ...])
+for request_id in plan.drafting:          # run the drafter for these only (none: skip its forward)
+    ...                                   # -> top-1 draft probabilities per slot, shape (k_max,)
+verified = policy.num_drafts(plan, confidences)  # {request_id: k}, 0 allowed (then one plain target row)
+...                                       # verify; time the target and the drafter
+policy.outcome(request_id, num_accepted)  # for every request that verified something
+policy.step_time(rows, drafter_slots, target_seconds, drafter_seconds)
+policy.commit(request_id, new_tokens)     # and policy.finish(request_id) when it ends
+```
+
+Lossless by construction: the policy chooses what is proposed and how much is verified, never how it is verified.
+The number of drafts verified depends on the drafter's top-1 probabilities (not on the sampled tokens) and on what
+earlier steps observed, so speculative sampling stays exact.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .acceptance_retrace import AcceptanceEstimator, ProposalFeatures
+from .cost_model_retrace import StepCostModel
+from .goodput_retrace import DRAFTER, StepPlan, StepRequest, choose_num_verified, plan_step
+from .policy_settings_retrace import num_confident
+from .sources_retrace import CandidateSource, propose_from_sources
+
+
+@dataclass
+class SpeculationPlan:
+    """What each request does this step.
+
+    Args:
+        actions (`dict[Hashable, tuple]`): per request, `("lookup", tokens, source_name)`, `("draft", max_drafts)` or
+            `("none",)` (one plain target row).
+        step ([`StepPlan`], *optional*): the goodput stage-1 plan with its prediction (`None` under `"fixed"`).
+    """
+
+    actions: dict = field(default_factory=dict)
+    step: StepPlan | None = None
+
+    def action(self, request_id) -> tuple:
+        return self.actions[request_id]
+
+    @property
+    def drafting(self) -> list:
+        """Ids of the requests the drafter must run for, in plan order (empty: skip the drafter forward)."""
+        return [rid for rid, action in self.actions.items() if action[0] == "draft"]
+
+
+class SpeculationPolicy:
+    """The per-step choice of one engine, with its learning state.
+
+    Args:
+        settings: the validated decoding settings (`ReTraceDecodingSettings`): `speculation_policy`,
+            `num_assistant_tokens`, `assistant_confidence_threshold`.
+        sources (`list[CandidateSource]`): the sources turned on, in priority order (`candidate_sources`).
+        block_size (`int`): the drafter's block `B`; it drafts at most `B - 1` tokens.
+        cost_model ([`StepCostModel`], *optional*): `t(R)` and `d(S)`; required under `"goodput"`.
+        estimator ([`AcceptanceEstimator`], *optional*): a fresh one by default; pass one to keep what it learned.
+        max_rows (`int`, *optional*): the engine's cap on target rows in a step.
+    """
+
+    def __init__(self, settings, sources: list[CandidateSource], block_size: int,
+                 cost_model: StepCostModel | None = None, estimator: AcceptanceEstimator | None = None,
+                 max_rows: int | None = None):  # fmt: skip
+        self.kind = settings.speculation_policy
+        if self.kind == "goodput" and cost_model is None:
+            raise ValueError('speculation_policy="goodput" needs a step-cost model (cost_model_retrace.StepCostModel)')
+        self.sources, self.block_size, self.max_rows = list(sources), int(block_size), max_rows
+        self.num_assistant_tokens = min(int(settings.num_assistant_tokens), self.block_size - 1)
+        self.threshold = settings.assistant_confidence_threshold
+        self.cost_model = cost_model
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        # the most tokens any request may verify: the drafter's cap or a source's
+        self.max_verified = max([self.num_assistant_tokens] + [s.num_tokens for s in self.sources])
+        self._pending: dict = {}  # request_id -> (estimator source, ProposalFeatures of the verified tokens)
+        self.last_step: StepPlan | None = None  # the last final plan (goodput), its prediction beside the measure
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def plan(self, requests) -> SpeculationPlan:
+        """Stage 1. `requests`: `(request_id, tokens np.ndarray (T,), max_tokens int)` per running request, where
+        `max_tokens` is the most tokens it may verify (the engine's cap: room before the length limit, vLLM's
+        `num_speculative_tokens`)."""
+        if self.kind == "fixed":
+            return SpeculationPlan({rid: self._fixed_action(rid, tokens, int(m)) for rid, tokens, m in requests})
+        step_requests = [self._step_request(rid, tokens, int(m)) for rid, tokens, m in requests]
+        step = plan_step(step_requests, self.cost_model, self.estimator, self.block_size, self.max_verified,
+                         self.max_rows)  # fmt: skip
+        plan = SpeculationPlan(step=step)
+        for planned, (_, _, max_tokens) in zip(step.requests, requests):
+            rid = planned.request_id
+            if planned.source == DRAFTER:
+                plan.actions[rid] = ("draft", min(self.num_assistant_tokens, int(max_tokens)))
+            elif planned.source is not None and planned.num_verified > 0:
+                name = getattr(planned.proposal, "source_name", planned.proposal.source)
+                plan.actions[rid] = ("lookup", list(planned.tokens), name)
+                self._pending[rid] = (planned.proposal.source, _head(planned.proposal.features, planned.num_verified))
+            else:
+                plan.actions[rid] = ("none",)
+        self.last_step = step
+        return plan
+
+    def _fixed_action(self, rid, tokens: np.ndarray, max_tokens: int) -> tuple:
+        if max_tokens <= 0:
+            return ("none",)
+        source, proposal = propose_from_sources(self.sources, tokens, max_tokens, rid)
+        if source is not None:  # "fixed" learns from drafts only: its lookups carry no features
+            return ("lookup", proposal, source.name)
+        return ("draft", min(self.num_assistant_tokens, max_tokens))
+
+    def _step_request(self, rid, tokens: np.ndarray, max_tokens: int) -> StepRequest:
+        proposals = []
+        if max_tokens > 0:
+            for source in self.sources:
+                proposal = source.propose_with_features(tokens, max_tokens, request_id=rid)
+                if proposal is not None:
+                    proposal.source_name = source.name  # the stats' name; `proposal.source` is the estimator's
+                    proposals.append(proposal)
+        can_draft = self.block_size >= 2 and max_tokens > 0
+        return StepRequest(rid, proposals, can_draft, max(max_tokens, 0))
+
+    def num_drafts(self, plan: SpeculationPlan, confidences) -> dict:
+        """Stage 2, after the drafter ran for `plan.drafting`.
+
+        Args:
+            plan ([`SpeculationPlan`]): this step's plan.
+            confidences (`Mapping[Hashable, np.ndarray]`): per drafting request, the drafter's top-1 probability per
+                draft slot, shape `(k_max,)` with `k_max >= ` its `max_drafts` (extra slots are ignored).
+        Returns:
+            `dict[Hashable, int]`: drafts to verify per drafting request, in `[0, max_drafts]`.
+        """
+        capped = {}
+        for rid in plan.drafting:
+            probabilities = np.asarray(confidences[rid], dtype=np.float64).reshape(-1)
+            capped[rid] = probabilities[: plan.action(rid)[1]]
+        if self.kind == "fixed" or plan.step is None:
+            counts = {rid: self._confidence_stop(p) for rid, p in capped.items()}
+        else:
+            final = choose_num_verified(plan.step, capped, self.cost_model, self.estimator, self.max_verified,
+                                        self.max_rows)  # fmt: skip
+            self.last_step = final
+            by_id = {r.request_id: r.num_verified for r in final.requests if r.source == DRAFTER}
+            counts = {rid: int(by_id.get(rid, 0)) for rid in capped}
+        for rid, k in counts.items():
+            self._pending[rid] = ("drafter", ProposalFeatures.drafter(capped[rid][:k]))
+        return counts
+
+    def _confidence_stop(self, probabilities: np.ndarray) -> int:
+        if self.threshold is None:
+            return int(probabilities.size)
+        return int(num_confident(probabilities, self.threshold))
+
+    def outcome(self, request_id, num_accepted: int) -> None:
+        """After verification: `num_accepted` of the tokens proposed to `request_id` this step were accepted."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        source, features = pending
+        if features.num_tokens > 0:
+            accepted = min(max(int(num_accepted), 0), features.num_tokens)
+            self.estimator.update(source, features, accepted, request_id)
+
+    def step_time(self, rows: int, drafter_slots: int, target_seconds: float,
+                  drafter_seconds: float | None = None) -> None:  # fmt: skip
+        """Refreshes the cost model from one measured step: `rows` target rows in `target_seconds`, and the drafter's
+        `drafter_slots` slots in `drafter_seconds` (`None`: not timed apart, the step is split by prediction)."""
+        if self.cost_model is not None:
+            seconds = float(target_seconds) + float(drafter_seconds or 0.0)
+            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds)
+
+    # -- request lifecycle ------------------------------------------------------------------------------------------
+    def start(self, request_id, prompt_tokens) -> None:
+        for source in self.sources:
+            source.start(request_id, prompt_tokens)
+
+    def commit(self, request_id, new_tokens) -> None:
+        """Tokens the target committed for `request_id` (the learning sources index them)."""
+        new_tokens = [int(t) for t in np.asarray(new_tokens).reshape(-1)]
+        if new_tokens:
+            for source in self.sources:
+                source.commit(request_id, new_tokens)
+
+    def finish(self, request_id) -> None:
+        """The request ended (finished or aborted): its state is freed, its response joins the online index."""
+        for source in self.sources:
+            source.finish(request_id)
+        self.estimator.forget(request_id)
+        self._pending.pop(request_id, None)
+
+
+def _head(features: ProposalFeatures, k: int) -> ProposalFeatures:
+    """The features of the first `k` proposed tokens (the verified ones)."""
+    probabilities = None if features.probabilities is None else features.probabilities[:k]
+    return ProposalFeatures(int(k), features.match_length, probabilities)
+
+
+__all__ = ["SpeculationPlan", "SpeculationPolicy"]

@@ -1,0 +1,291 @@
+# Copied from hf_retrace/models/cost_model_retrace.py by utils/check_copies.py --fix; edit the original.
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+#
+# Hub file: imports numpy and the standard library only (no torch), so both engines share it unchanged; the vLLM
+# plugin vendors it byte-identical.
+"""The step-cost model of cost-aware speculation (docs/cost-aware-speculation.md): how long a target step takes
+for `R` verified rows in the batch (batch x tokens), `t(R)`, and a drafter forward for `S` slots, `d(S)`.
+
+Both are monotone piecewise-linear curves through measured points, fitted once from a profile (engine start, or
+first use in transformers), cached per host and configuration, and refreshed online from the step times the engine
+observes. A cached file from another host or configuration is refused, so the caller re-measures.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "hf_retrace-step-cost"
+VERSION = 1
+
+
+def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Non-decreasing least-squares fit of `values` (pool adjacent violators): a step never gets cheaper with more
+    rows, whatever the noise of one measurement says."""
+    blocks = []  # [mean, weight, count]
+    for value, weight in zip(values.tolist(), weights.tolist()):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks[-1]
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return np.array([v for v, _, c in blocks for _ in range(c)], dtype=np.float64)
+
+
+@dataclass
+class CostCurve:
+    """A monotone piecewise-linear time curve through `(size, seconds)` knots.
+
+    Between knots it interpolates; past the last knot it extends the last segment's slope (a lone knot scales
+    proportionally); below the first knot (but above 0) it keeps the first knot's time, and `size <= 0` costs 0.
+
+    Args:
+        sizes (`np.ndarray` of shape `(num_knots,)`): increasing sizes (rows or slots), all > 0.
+        seconds (`np.ndarray` of shape `(num_knots,)`): the time at each size, non-decreasing.
+    """
+
+    sizes: np.ndarray
+    seconds: np.ndarray
+
+    def __post_init__(self):
+        self.sizes = np.asarray(self.sizes, dtype=np.float64).reshape(-1)
+        self.seconds = np.asarray(self.seconds, dtype=np.float64).reshape(-1)
+        if self.sizes.size == 0 or self.sizes.shape != self.seconds.shape:
+            raise ValueError(f"a cost curve needs matching, non-empty knots, got {self.sizes} and {self.seconds}")
+        if np.any(self.sizes <= 0) or np.any(np.diff(self.sizes) <= 0):
+            raise ValueError(f"cost curve sizes must be positive and increasing, got {self.sizes.tolist()}")
+        if not np.all(np.isfinite(self.seconds)) or np.any(self.seconds < 0):
+            raise ValueError(f"cost curve seconds must be finite and >= 0, got {self.seconds.tolist()}")
+        self.seconds = np.maximum.accumulate(self.seconds)
+
+    @classmethod
+    def fit(cls, samples) -> "CostCurve":
+        """Fits a curve to `(size, seconds)` samples: the median per size (robust to a slow outlier), then made
+        non-decreasing."""
+        sizes = sorted({int(s) for s, _ in samples})
+        medians = np.array([np.median([t for s, t in samples if int(s) == size]) for size in sizes])
+        counts = np.array([sum(1 for s, _ in samples if int(s) == size) for size in sizes], dtype=np.float64)
+        return cls(np.array(sizes), _isotonic(medians, counts))
+
+    def __call__(self, size) -> np.ndarray | float:
+        """The time for `size` (scalar or array), per the rules in the class docstring."""
+        size = np.asarray(size, dtype=np.float64)
+        out = np.interp(size, self.sizes, self.seconds)
+        last, top = self.sizes[-1], self.seconds[-1]
+        slope = (top - self.seconds[-2]) / (last - self.sizes[-2]) if self.sizes.size > 1 else top / last
+        out = np.where(size > last, top + slope * (size - last), out)
+        out = np.where(size <= 0, 0.0, out)
+        return float(out) if out.ndim == 0 else out
+
+    def observe(self, size: float, seconds: float, alpha: float, max_change: float) -> None:
+        """Moves the knots around `size` toward one observed time (an exponentially weighted average per knot,
+        weighted by the interpolation weights); the residual is clipped to `max_change` x the prediction, so a stalled
+        step moves the curve by a bounded amount. A size past the ends becomes a new knot."""
+        predicted = self(size)
+        residual = float(np.clip(seconds - predicted, -max_change * predicted, max_change * predicted))
+        if size < self.sizes[0] or size > self.sizes[-1]:
+            self._insert(size, predicted + alpha * residual)
+            return
+        right = int(np.searchsorted(self.sizes, size))  # sizes[right - 1] < size <= sizes[right]
+        left = max(right - 1, 0)
+        share = 1.0  # of the update the right knot gets: its interpolation weight
+        if self.sizes[right] != size:
+            share = (size - self.sizes[left]) / (self.sizes[right] - self.sizes[left])
+        self.seconds[right] += alpha * share * residual
+        self.seconds[left] += alpha * (1.0 - share) * residual
+        self.seconds = _isotonic(np.maximum(self.seconds, 0.0), np.ones_like(self.seconds))
+
+    def _insert(self, size: float, seconds: float) -> None:
+        at = int(np.searchsorted(self.sizes, size))
+        self.sizes = np.insert(self.sizes, at, float(size))
+        self.seconds = _isotonic(np.maximum(np.insert(self.seconds, at, seconds), 0.0), np.ones(self.sizes.size))
+
+    def to_list(self) -> list[list[float]]:
+        return [[float(s), float(t)] for s, t in zip(self.sizes, self.seconds)]
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """What a measured cost depends on: the engine, the target, its dtype, the thread count, compiled or eager, the
+    CPU model, the machine type and any `extra` the engine adds (e.g. its version). Build it with [`host_key`]."""
+
+    engine: str
+    target_id: str
+    dtype: str
+    num_threads: int
+    compiled: bool
+    cpu: str
+    machine: str
+    extra: str = ""
+
+    def digest(self) -> str:
+        """16 hex digits naming this configuration's cache file."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cpu_model() -> str:
+    """The CPU model name: `/proc/cpuinfo`'s "model name" on Linux, else `platform.processor()`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def host_key(engine: str, target_id: str, dtype: str, num_threads: int, compiled: bool, extra: str = "") -> HostKey:
+    """The [`HostKey`] of this host for one engine configuration (the CPU model is read here; no torch needed)."""
+    return HostKey(str(engine), str(target_id), str(dtype), int(num_threads), bool(compiled), cpu_model(),
+                   platform.machine(), str(extra))  # fmt: skip
+
+
+def default_cache_path(key: HostKey) -> Path:
+    """`~/.cache/hf_retrace/cost/<engine>-<digest>.json`; the `HF_RETRACE_CACHE` environment variable replaces
+    `~/.cache/hf_retrace`."""
+    root = Path(os.environ.get("HF_RETRACE_CACHE") or Path.home() / ".cache" / "hf_retrace")
+    return root / "cost" / f"{key.engine}-{key.digest()}.json"
+
+
+def measure(run, sizes, repeats: int = 3, warmup: int = 1) -> list[tuple[int, float]]:
+    """Times `run(size)` for every size: a profile, as `(size, seconds)` samples for [`StepCostModel.fit`].
+
+    Args:
+        run (`Callable[[int], Any]`): one target step with `size` rows (or one drafter forward with `size` slots);
+            it must finish its work before returning (synchronise an accelerator inside it).
+        sizes (`Iterable[int]`): the sizes to time, e.g. `(1, 2, 4, 8, 16, 32)`.
+        repeats (`int`), warmup (`int`): timed and untimed calls per size.
+    """
+    samples = []
+    for size in sizes:
+        for i in range(warmup + repeats):
+            start = time.perf_counter()
+            run(int(size))
+            if i >= warmup:
+                samples.append((int(size), time.perf_counter() - start))
+    return samples
+
+
+@dataclass
+class StepCostModel:
+    """Target step time `t(R)` for `R` verified rows and drafter time `d(S)` for `S` drafter slots, in seconds.
+
+    Args:
+        target (`CostCurve`): `t(R)`.
+        drafter (`CostCurve`): `d(S)`; `d(0) = 0` (no drafter forward).
+        alpha (`float`, *optional*, defaults to 0.05): weight of one observed step in the online refresh.
+        max_change (`float`, *optional*, defaults to 0.5): an observation moves a knot by at most this fraction of
+            the prediction (times `alpha`), so an outlier (a page fault, another process) cannot wreck the curve.
+
+    Example:
+    ```python
+    >>> model = StepCostModel.fit([(1, 0.0192), (8, 0.0388)], [(16, 0.004), (128, 0.030)])
+    >>> round(model.marginal_row_cost(1) * 1000, 1)  # ms
+    2.8
+    ```
+    """
+
+    target: CostCurve
+    drafter: CostCurve
+    alpha: float = 0.05
+    max_change: float = 0.5
+    num_observed: int = field(default=0, compare=False)
+
+    @classmethod
+    def fit(cls, target_samples, drafter_samples, **kwargs) -> "StepCostModel":
+        """A model from a profile: `(rows, seconds)` samples of target steps, `(slots, seconds)` of drafter
+        forwards."""
+        return cls(CostCurve.fit(target_samples), CostCurve.fit(drafter_samples), **kwargs)
+
+    def target_seconds(self, rows) -> np.ndarray | float:
+        return self.target(rows)
+
+    def drafter_seconds(self, slots) -> np.ndarray | float:
+        return self.drafter(slots)
+
+    def step_seconds(self, rows, slots) -> np.ndarray | float:
+        """`t(rows) + d(slots)`."""
+        return self.target(rows) + self.drafter(slots)
+
+    def marginal_row_cost(self, rows: int) -> float:
+        """`t(rows + 1) - t(rows)`: what one more verified row costs in a step of `rows` rows."""
+        return float(self.target(rows + 1) - self.target(rows))
+
+    def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None) -> None:
+        """Refreshes the curves from one observed step of `rows` verified rows and `slots` drafter slots that took
+        `seconds` in all. With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that
+        drafted is split between the two in proportion to their predictions."""
+        if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
+            return
+        if slots > 0 and drafter_seconds is None:
+            predicted_t, predicted_d = self.target(rows), self.drafter(slots)
+            drafter_seconds = seconds * predicted_d / max(predicted_t + predicted_d, 1e-12)
+        if slots > 0:
+            self.drafter.observe(slots, drafter_seconds, self.alpha, self.max_change)
+        self.target.observe(rows, seconds - (drafter_seconds or 0.0), self.alpha, self.max_change)
+        self.num_observed += 1
+
+    def save(self, path, key: HostKey) -> None:
+        """Writes the curves and `key` as JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"format": FORMAT, "version": VERSION, "key": asdict(key),
+                   "target": self.target.to_list(), "drafter": self.drafter.to_list()}  # fmt: skip
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, key: HostKey, **kwargs) -> "StepCostModel | None":
+        """The model saved at `path` for `key`, or `None` (with a log line saying why) when there is no file or it
+        was measured on another host or configuration: the caller re-measures rather than trust it.
+
+        Raises:
+            ValueError: the file exists but is not a valid step-cost file (corrupt, truncated, wrong format).
+        """
+        path = Path(path)
+        if not path.exists():
+            logger.info("no step-cost file at %s: measuring", path)
+            return None
+        payload = _read_payload(path)
+        stored = payload["key"]
+        differ = {k: (stored.get(k), v) for k, v in asdict(key).items() if stored.get(k) != v}
+        if differ:
+            what = ", ".join(f"{k}: file {a!r} vs here {b!r}" for k, (a, b) in sorted(differ.items()))
+            logger.warning("step-cost file %s was measured for another host or configuration (%s): re-measuring",
+                           path, what)  # fmt: skip
+            return None
+        try:
+            return cls(_curve(payload["target"], path), _curve(payload["drafter"], path), **kwargs)
+        except ValueError as error:
+            raise ValueError(f"{path} is not a valid step-cost file: {error}") from error
+
+
+def _read_payload(path: Path) -> dict:
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a valid step-cost file ({error}); delete it to re-measure") from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or not isinstance(payload.get("key"), dict):
+        raise ValueError(f"{path} is not a step-cost file (format {FORMAT!r} expected); delete it to re-measure")
+    if payload.get("version") != VERSION:
+        raise ValueError(f"{path} has step-cost format version {payload.get('version')}, this code reads {VERSION}")
+    return payload
+
+
+def _curve(knots, path: Path) -> CostCurve:
+    if not isinstance(knots, list) or not all(isinstance(k, list) and len(k) == 2 for k in knots):
+        raise ValueError(f"knots must be [[size, seconds], ...], got {str(knots)[:80]}")
+    array = np.array(knots, dtype=np.float64).reshape(-1, 2)
+    return CostCurve(array[:, 0], array[:, 1])

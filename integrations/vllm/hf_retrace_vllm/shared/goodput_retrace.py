@@ -1,0 +1,291 @@
+# Copied from hf_retrace/models/goodput_retrace.py by utils/check_copies.py --fix; edit the original.
+# Copyright 2026 the hf_retrace authors. Apache-2.0.
+#
+# Hub file: imports numpy, the standard library and `.acceptance_retrace` / `.cost_model_retrace` only (no torch), so
+# both engines share it unchanged; the vLLM plugin vendors it byte-identical.
+"""The goodput-optimal choice of cost-aware speculation (SmartSpec, Liu et al., 2024; TurboSpec; vLLM's adaptive
+verification): per request, which source proposes and how many tokens are verified (0 allowed), so that the batch's
+expected committed tokens per second is highest. See docs/cost-aware-speculation.md.
+
+A step of `n` requests verifying `V` proposed tokens in all runs `R = n + V` target rows and, when `m` requests draft,
+`S = m * block_size` drafter slots; it commits in expectation `E = sum over requests of (1 + sum of the survival
+probabilities of its verified tokens)` in `T = t(R) + d(S)` seconds. (request, position) slots are admitted in
+order of survival probability while the marginal tokens per marginal second beat the current rate `E / T`: the
+prefix of that order with the highest `E / T` (with linear costs, exactly where the greedy rule stops).
+
+Two stages, because the drafter's confidences exist only after it runs:
+1. [`plan_step`]: lookup proposals with their estimates against the drafter's expected acceptance; decides who
+   drafts (the drafter's `d(S)` counted as one group: plans with and without the drafter are both solved).
+2. [`choose_num_verified`]: after the drafter ran, how many of each request's drafts (and lookups) to verify.
+
+Lossless by construction: the policy only chooses what is proposed and how much of it is verified; verification
+(greedy match or rejection sampling) is unchanged.
+"""
+
+from dataclasses import dataclass, field
+from itertools import accumulate, chain
+from operator import mul
+
+import numpy as np
+
+from .acceptance_retrace import AcceptanceEstimator, ProposalFeatures
+from .cost_model_retrace import StepCostModel
+
+
+DRAFTER = "drafter"
+
+
+@dataclass
+class Proposal:
+    """Tokens a lookup source (prompt lookup, a datastore) proposes for one request.
+
+    Args:
+        source (`str`): a key of `acceptance_retrace.SOURCE_KINDS`, e.g. `"prompt_lookup"`.
+        tokens (`list[int]`): the proposed tokens, `K` of them.
+        features (`ProposalFeatures`): what the estimator reads (match length, continuation probabilities).
+    """
+
+    source: str
+    tokens: list[int]
+    features: ProposalFeatures
+
+
+@dataclass
+class StepRequest:
+    """One running request at a step.
+
+    Args:
+        request_id (`Hashable`): the engine's id.
+        proposals (`list[Proposal]`, *optional*): its lookup proposals (any number, including none).
+        can_draft (`bool`, *optional*, defaults to `True`): whether the drafter may draft for it this step.
+        max_tokens (`int`, *optional*): at most this many tokens may be verified (its remaining length budget).
+    """
+
+    request_id: object
+    proposals: list[Proposal] = field(default_factory=list)
+    can_draft: bool = True
+    max_tokens: int | None = None
+
+
+@dataclass
+class RequestPlan:
+    """What one request verifies this step.
+
+    Args:
+        request_id (`Hashable`): the engine's id.
+        source (`str` or `None`): `"drafter"`, a lookup source, or `None` (nothing proposed: one plain row).
+        num_verified (`int`): tokens to verify; for the drafter in a [`plan_step`] plan, the expected count.
+        tokens (`list[int]`): a lookup's tokens to verify (`num_verified` of them); `[]` for the drafter, whose
+            drafts the engine holds.
+        acceptance (`np.ndarray` of shape `(num_verified,)`): conditional acceptance estimates of those tokens.
+        proposal (`Proposal`, *optional*): the chosen lookup proposal.
+        max_tokens (`int`, *optional*): the most tokens this request may verify (`max_verified`, its length budget).
+    """
+
+    request_id: object
+    source: str | None
+    num_verified: int
+    tokens: list[int]
+    acceptance: np.ndarray
+    proposal: Proposal | None = None
+    max_tokens: int | None = None
+
+    @property
+    def expected_tokens(self) -> float:
+        """1 (the target's own token) + the survival probabilities of the verified tokens."""
+        return 1.0 + float(np.cumprod(self.acceptance[: self.num_verified]).sum())
+
+
+@dataclass
+class StepPlan:
+    """The whole batch's choice, with the model's prediction of the step.
+
+    Args:
+        requests (`list[RequestPlan]`): one per request, in the input order.
+        rows (`int`): target rows `R`.
+        drafter_slots (`int`): drafter slots `S` (`block_size` per drafting request).
+        expected_tokens (`float`): `E`.
+        expected_seconds (`float`): `T = t(R) + d(S)`.
+    """
+
+    requests: list[RequestPlan]
+    rows: int
+    drafter_slots: int
+    expected_tokens: float
+    expected_seconds: float
+
+    @property
+    def drafting(self) -> list:
+        """Ids of the requests the drafter runs for."""
+        return [r.request_id for r in self.requests if r.source == DRAFTER]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.expected_tokens / self.expected_seconds if self.expected_seconds > 0 else 0.0
+
+
+@dataclass(eq=False)  # compared by identity: the same option picked again
+class _Option:
+    source: str | None
+    acceptance: np.ndarray  # conditional, already capped
+    proposal: Proposal | None = None
+
+    def __post_init__(self):
+        # survival probabilities, [K], in Python: for a dozen floats a numpy call costs more than the arithmetic
+        self.survival = list(accumulate(self.acceptance.tolist(), mul))
+
+
+_NOTHING = _Option(None, np.zeros(0))
+
+
+def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, drafter_slots: int | None = None,
+           max_rows: int | None = None) -> tuple[np.ndarray, int, float, float]:  # fmt: skip
+    """The best admission prefix for one source per request.
+
+    Returns:
+        `(num_verified per request, drafter slots, E, T)`. With `drafter_slots=None` a drafting request adds
+        `block_size` slots when its first draft is admitted; otherwise the slots are fixed (the drafter already ran).
+    """
+    n = len(options)
+    lengths = np.array([len(o.survival) for o in options], dtype=np.int64)
+    surv = np.fromiter(chain.from_iterable(o.survival for o in options), np.float64, int(lengths.sum()))
+    req = np.repeat(np.arange(n), lengths)
+    pos = np.arange(surv.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # position within its request
+    drafts = np.repeat(np.array([o.source == DRAFTER for o in options], dtype=bool), lengths)
+    order = np.lexsort((pos, -surv))  # by survival, ties by position: a request's slots come in position order
+    surv, req, pos, drafts = surv[order], req[order], pos[order], drafts[order]
+    expected = n + np.concatenate([[0.0], np.cumsum(surv)])
+    rows = n + np.arange(surv.size + 1)
+    if drafter_slots is None:
+        slots = block_size * np.concatenate([[0], np.cumsum(drafts & (pos == 0))])
+    else:
+        slots = np.full(rows.size, int(drafter_slots))
+    seconds = np.asarray(cost_model.target_seconds(rows) + cost_model.drafter_seconds(slots), dtype=np.float64)
+    rate = expected / np.maximum(seconds, 1e-12)
+    if max_rows is not None:
+        rate = np.where(rows <= max(max_rows, n), rate, -np.inf)
+    best = int(np.argmax(rate))  # the first maximum: the fewest rows among equals
+    counts = np.bincount(req[:best], minlength=n)
+    return counts, int(slots[best]), float(expected[best]), float(seconds[best])
+
+
+def _lookup_options(request: StepRequest, estimator: AcceptanceEstimator, cap: int) -> list[_Option]:
+    options = [_NOTHING]
+    for proposal in request.proposals:
+        k = min(cap, len(proposal.tokens), proposal.features.num_tokens)
+        if k > 0:
+            acceptance = estimator.estimate(proposal.source, proposal.features, request.request_id)[:k]
+            options.append(_Option(proposal.source, acceptance, proposal))
+    return options
+
+
+def _value(option: _Option, threshold: float, fixed_cost: float) -> float:
+    """Expected tokens over what their time would commit at the current rate (the marginal rule, in tokens)."""
+    if not option.survival:
+        return 0.0
+    gain = sum(s - threshold for s in option.survival if s > threshold)
+    return gain - fixed_cost if option.source == DRAFTER else gain
+
+
+def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: int, rate: float) -> list[_Option]:
+    """One option per request, the highest value at `rate`; the drafter's `d(S)` is shared among the requests that
+    may draft (its per-request part is charged to each)."""
+    n = len(choices)
+    threshold = rate * cost_model.marginal_row_cost(n)
+    num_drafters = sum(any(o.source == DRAFTER for o in c) for c in choices)
+    share = rate * cost_model.drafter_seconds(block_size * num_drafters) / num_drafters if num_drafters else 0.0
+    return [max(c, key=lambda o: _value(o, threshold, share)) for c in choices]
+
+
+def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], solved) -> StepPlan:
+    counts, slots, expected, seconds = solved
+    plans = []
+    for request, option, count, cap in zip(requests, options, counts.tolist(), caps):
+        if count == 0:
+            option = _NOTHING
+        tokens = list(option.proposal.tokens[:count]) if option.proposal is not None else []
+        plans.append(RequestPlan(request.request_id, option.source, count, tokens, option.acceptance[:count],
+                                 option.proposal, cap))  # fmt: skip
+    return StepPlan(plans, len(requests) + int(counts.sum()), slots, expected, seconds)
+
+
+def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator: AcceptanceEstimator,
+              block_size: int, max_verified: int, max_rows: int | None = None) -> StepPlan:  # fmt: skip
+    """Stage 1: which source proposes for each request (a lookup, the drafter, or nothing) and who drafts.
+
+    Args:
+        requests (`list[StepRequest]`): the running requests with their lookup proposals.
+        cost_model (`StepCostModel`): `t(R)` and `d(S)`.
+        estimator (`AcceptanceEstimator`): lookup estimates and the drafter's expected acceptance.
+        block_size (`int`): drafter slots per drafting request; it drafts `block_size - 1` tokens.
+        max_verified (`int`): at most this many tokens verified per request.
+        max_rows (`int`, *optional*): the engine's cap on rows in a step (e.g. vLLM's `max_num_batched_tokens`).
+
+    Returns:
+        [`StepPlan`]: run the drafter for `plan.drafting`, then call [`choose_num_verified`].
+    """
+    if not requests:
+        return StepPlan([], 0, 0, 0.0, 0.0)
+    caps = [max(0, min(max_verified, max_verified if r.max_tokens is None else r.max_tokens)) for r in requests]
+    lookups = [_lookup_options(r, estimator, cap) for r, cap in zip(requests, caps)]
+
+    def solve(options: list[_Option]) -> StepPlan:
+        return _plan(options, requests, caps, _solve(options, cost_model, block_size, None, max_rows))
+
+    best = solve(_pick(lookups, cost_model, block_size, 0.0))  # rate 0: the most-surviving lookup per request
+    if not any(r.can_draft for r in requests) or block_size < 2:
+        return best
+    choices = [c + _drafter_options(r, estimator, min(cap, block_size - 1))
+               for r, c, cap in zip(requests, lookups, caps)]  # fmt: skip
+    picked = None
+    for _ in range(2):  # the choice depends on the rate and the rate on the choice: refine once
+        previous, picked = picked, _pick(choices, cost_model, block_size, best.tokens_per_second)
+        if picked == previous:
+            break
+        candidate = solve(picked)
+        best = candidate if candidate.tokens_per_second > best.tokens_per_second else best
+    return best
+
+
+def _drafter_options(request: StepRequest, estimator: AcceptanceEstimator, cap: int) -> list[_Option]:
+    if not request.can_draft or cap <= 0:
+        return []
+    return [_Option(DRAFTER, estimator.expected_drafter_acceptance(request.request_id, cap))]
+
+
+def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepCostModel,
+                        estimator: AcceptanceEstimator, max_verified: int,
+                        max_rows: int | None = None) -> StepPlan:  # fmt: skip
+    """Stage 2, after the drafter ran for `plan.drafting`: how many tokens each request verifies (0 allowed), from
+    the drafter's calibrated confidences; the drafter's `d(S)` is spent and stays in `T`.
+
+    Args:
+        plan (`StepPlan`): [`plan_step`]'s plan.
+        drafter_probabilities (`Mapping[Hashable, np.ndarray]`): per drafting request, the drafter's top-1
+            probability per draft, shape `(block_size - 1,)` (or fewer: only the drafts it may verify).
+        cost_model, estimator, max_verified, max_rows: as in [`plan_step`].
+
+    Returns:
+        [`StepPlan`]: the final plan; a drafting request's `num_verified` leading drafts are verified.
+    """
+    options = [_verified_option(p, drafter_probabilities, estimator, max_verified) for p in plan.requests]
+    requests = [StepRequest(p.request_id) for p in plan.requests]
+    caps = [p.max_tokens for p in plan.requests]
+    final = _plan(options, requests, caps, _solve(options, cost_model, 0, plan.drafter_slots, max_rows))
+    for mine, planned in zip(final.requests, plan.requests):  # a drafting request verifying 0 drafts still drafted
+        if planned.source == DRAFTER:
+            mine.source = DRAFTER
+    return final
+
+
+def _verified_option(planned: RequestPlan, drafter_probabilities, estimator, max_verified: int) -> _Option:
+    if planned.source == DRAFTER:
+        cap = max_verified if planned.max_tokens is None else min(max_verified, planned.max_tokens)
+        probabilities = np.asarray(drafter_probabilities[planned.request_id], dtype=np.float64).reshape(-1)
+        features = ProposalFeatures.drafter(probabilities[: max(cap, 0)])
+        if features.num_tokens == 0:
+            return _Option(DRAFTER, np.zeros(0))  # nothing it may verify
+        return _Option(DRAFTER, estimator.estimate(DRAFTER, features, planned.request_id))
+    if planned.proposal is not None:  # a lookup may verify less than planned, never more
+        return _Option(planned.source, planned.acceptance, planned.proposal)
+    return _NOTHING
