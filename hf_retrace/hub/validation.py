@@ -25,6 +25,7 @@ CODE_FILES = (
     "decoding_retrace.py", "draft_head_retrace.py", "hook_retrace.py", "drafter_files_retrace.py",
     "lookup_retrace.py", "datastore_file_retrace.py", "policy_settings_retrace.py", "acceptance_retrace.py",
     "cost_model_retrace.py", "goodput_retrace.py", "online_datastore_retrace.py", "speculation_retrace.py",
+    "speculation_state_retrace.py",
 )  # fmt: skip
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 

@@ -12,9 +12,10 @@ circles):
     policy_settings_retrace <- sources_retrace
     speculation_retrace <- acceptance_retrace, cost_model_retrace, goodput_retrace, sources_retrace,
                            policy_settings_retrace
+    speculation_state_retrace <- acceptance_retrace, cost_model_retrace, online_datastore_retrace
     decoding_retrace, configuration_retrace <- policy_settings_retrace
-    generation_retrace <- sources_retrace, policy_settings_retrace, speculation_retrace, cost_model_retrace,
-                          online_datastore_retrace, decoding_retrace, draft_head_retrace
+    generation_retrace <- sources_retrace, policy_settings_retrace, speculation_retrace, speculation_state_retrace,
+                          decoding_retrace, draft_head_retrace
     drafter_files_retrace <- datastore_file_retrace, lookup_retrace, decoding_retrace
     modeling_retrace <- all of them; importing `hook_retrace` installs the generate hook
 

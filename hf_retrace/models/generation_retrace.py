@@ -1,8 +1,8 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
 # Hub file: imports torch, transformers and the Hub files `.sources_retrace`, `.policy_settings_retrace`,
-# `.decoding_retrace`, `.draft_head_retrace` only, so `trust_remote_code=True` loads it. The generate hook is in
-# `hook_retrace`.
+# `.speculation_retrace`, `.speculation_state_retrace`, `.decoding_retrace`, `.draft_head_retrace` only, so
+# `trust_remote_code=True` loads it. The generate hook is in `hook_retrace`.
 """ReTrace speculative decoding on top of transformers' in-tree DFlash candidate generator.
 
 Round r drafts the block `[a, d1 .. d_{B-1}]` at positions `p .. p+B-1`; the target accepts `d1..dn` and commits
@@ -12,6 +12,7 @@ with the target features of verification position `j-1`, the one that scored dra
 cycle").
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,9 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 from .decoding_retrace import ReTraceDecodingSettings
 from .draft_head_retrace import draft_lm_head
 from .policy_settings_retrace import num_confident
-from .sources_retrace import CandidateSource, candidate_sources, propose_from_sources
+from .sources_retrace import candidate_sources
+from .speculation_retrace import SpeculationPolicy
+from .speculation_state_retrace import profile_cost_model, speculation_state, transformers_host_key
 
 
 @dataclass
@@ -87,7 +90,8 @@ def build_rejected_trajectory(
 
 @dataclass
 class ReTraceGenerationStats:
-    """Per-generate bookkeeping. One entry per verification cycle of a drafted block (prefill excluded).
+    """Per-generate bookkeeping. One entry per step the policy planned (prefill and forced plain steps at the length
+    limit excluded): a drafted block, a source's candidates, or (under `"goodput"`) a plain target step.
 
     Attributes:
         acceptance_lengths (`list[int]`): tokens committed per cycle, bonus/correction included (1..B).
@@ -96,6 +100,10 @@ class ReTraceGenerationStats:
         num_drafter_forwards (`int`): drafter forward passes.
         source_cycles (`dict[str, int]`): per candidate source (its `name`), the cycles that verified its candidates
             instead of a drafted block; they are in `acceptance_lengths` too.
+        num_empty_steps (`int`): planned steps that verified no proposed token (one plain target row): the policy
+            proposed nothing, or a drafted block had no draft worth verifying.
+        predicted_seconds (`list[float]`), measured_seconds (`list[float]`): per goodput step, the cost model's
+            `t(R) + d(S)` and the measured target plus drafter time.
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -103,6 +111,9 @@ class ReTraceGenerationStats:
     num_conditioned_rounds: int = 0
     num_drafter_forwards: int = 0
     source_cycles: dict[str, int] = field(default_factory=dict)
+    num_empty_steps: int = 0
+    predicted_seconds: list[float] = field(default_factory=list)
+    measured_seconds: list[float] = field(default_factory=list)
 
     @property
     def num_lookup_cycles(self) -> int:
@@ -113,6 +124,11 @@ class ReTraceGenerationStats:
     def num_datastore_cycles(self) -> int:
         """Cycles that verified datastore-lookup candidates (`datastore_num_tokens`)."""
         return self.source_cycles.get("datastore", 0)
+
+    @property
+    def num_online_datastore_cycles(self) -> int:
+        """Cycles that verified online-datastore candidates (`online_datastore_num_tokens`)."""
+        return self.source_cycles.get("online_datastore", 0)
 
     @property
     def tau(self) -> float:
@@ -157,20 +173,24 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
     verifies `[a, d1 .. dk]`: `k+1` tokens instead of `B`. The drafts are the same tokens, so greedy output is
     unchanged; ReTrace then retains slots `n+2 .. k`, the ones with verification features.
 
-    Candidate sources ([`CandidateSource`]: prompt lookup, the datastore) come first: a cycle where one proposes
-    verifies its candidates instead, and the drafter does not run. The target features of the tokens such cycles
-    commit are kept, and the next drafted cycle feeds them all to the drafter, so its context is the same as if it
-    had drafted every cycle.
+    Each cycle asks the shared [`SpeculationPolicy`] (`speculation_policy`): candidate sources' tokens (prompt
+    lookup, the datastores; the drafter does not run), a drafted block with `k` of its drafts verified (`0 <= k`), or,
+    under `"goodput"`, a plain target step. The target features of the tokens that cycles without the drafter commit
+    are kept, and the next drafted cycle feeds them all to the drafter, so its context is the same as if it had
+    drafted every cycle. The policy's memory (acceptance estimates, online datastore, step costs) lives on the
+    drafter (`speculation_state_retrace`), and one `generate` call is one request of it.
 
     Args:
         settings ([`ReTraceDecodingSettings`], *optional*): the settings to run with; by default
             `assistant_model.decoding_settings(generation_config)`.
+        target (`PreTrainedModel`, *optional*): the target, profiled for the step costs under `"goodput"`.
         main_model_output_embeddings (`nn.Module`): the target's lm head; drafts are scored with
             [`draft_lm_head`] of it (`draft_logits_dtype`, the reduced draft vocabulary).
     """
 
     def __init__(self, assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config,
-                 logits_processor=None, settings: ReTraceDecodingSettings | None = None, **kwargs):  # fmt: skip
+                 logits_processor=None, settings: ReTraceDecodingSettings | None = None, target=None,
+                 **kwargs):  # fmt: skip
         settings = settings or assistant_model.decoding_settings(generation_config)
         vocab_ids = assistant_model.draft_vocab_ids
         head = draft_lm_head(main_model_output_embeddings, settings.draft_logits_dtype, vocab_ids)
@@ -179,19 +199,28 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.settings = settings
         self.num_assistant_tokens = settings.num_assistant_tokens
         self.confidence_threshold = settings.assistant_confidence_threshold
-        self.sources: list[CandidateSource] = candidate_sources(settings, assistant_model)  # the drafter: datastore
+        state = speculation_state(assistant_model)
+        self.sources = candidate_sources(settings, _SourceResources(assistant_model, state))
+        cost_model = None
+        if settings.speculation_policy == "goodput":
+            cost_model = self._cost_model(state, target, assistant_model, head)
+        self.policy = SpeculationPolicy(settings, self.sources, self.block_size, cost_model, state.estimator)
+        self.request_id = state.new_request(self.policy)  # the previous call's request is finished here
+        self._committed = 0  # tokens handed to `policy.commit` so far
+        self._step: str | None = None  # the planned step being verified: "draft", "lookup", "none"; None otherwise
+        self._verify_start, self._drafter_seconds = 0.0, 0.0
         self.assistant_model = _ConditionedDrafterCall(assistant_model, self)
         self.uses_trajectory = assistant_model.config.retrace_mode != "off"
         self.stats = ReTraceGenerationStats()
         assistant_model.last_generation_stats = self.stats
         self.pending_trajectory: ReTraceConditioning | None = None
         self.last_draft_hidden_states: torch.Tensor | None = None
-        # What the last target forward verified: a drafted block (`_drafted`), the candidates of `_cycle_source`, or
-        # neither (prefill, a final plain step)
+        # What the last target forward verified: a drafted block (`_drafted`), the candidates of the source named
+        # `_cycle_source`, or neither (prefill, a plain step)
         self._drafted, self._cycle_source = False, None
         self._verified = 0  # tokens in the last verification forward: the anchor and the drafts proposed
         # Target features of committed positions 0 .. `_num_featured - 1`; those the drafter has not consumed yet
-        # (the prefill's, then those of source cycles) wait in `_unseen_features`, [1, U_i, F] each.
+        # (the prefill's, then those of source cycles and plain steps) wait in `_unseen_features`, [1, U_i, F] each.
         self._num_featured = 0
         self._unseen_features: list[torch.Tensor] = []
         # The parent concatenates `hidden_states[i + 1]` over `target_layer_ids` for the accepted context, and
@@ -200,52 +229,97 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.feature_layer_ids = list(self.target_layer_ids)
         self.target_layer_ids = [0]
 
+    def _cost_model(self, state, target, drafter, head):
+        """The step-cost model of this target and drafter on this host: cached, or profiled now (once)."""
+        if target is None:
+            raise ValueError('speculation_policy="goodput" needs the target to profile step costs: build the '
+                             "generator with `target=` (as `generate` does) or set `speculation_state(drafter)"
+                             ".cost_model`")  # fmt: skip
+        return state.cost_model_for(
+            transformers_host_key(target, drafter),
+            lambda: profile_cost_model(target, drafter, head, dict(self.model_kwargs_overrides)),
+        )
+
     def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
         self.pending_trajectory = None
         if model_outputs is not None and not is_first_iteration:
             self._collect_features(input_ids, self._concatenated_features(model_outputs), int(n_last_matches))
-        self._drafted, self._cycle_source = False, None
-        proposal = None if is_first_iteration else self._propose_from_sources(input_ids)
-        if proposal is not None:
-            if self.pending_trajectory is not None:  # the suffix was drafted for this anchor, and nothing uses it
+        self._drafted, self._cycle_source, self._step = False, None, None
+        if is_first_iteration:  # the parent skips it: the target's prefill comes first
+            self.policy.start(self.request_id, input_ids[0].tolist())
+            self._committed = input_ids.shape[1]
+            return input_ids, None
+        # the policy is host-side bookkeeping on numpy (the same code the vLLM plugin runs): one copy of the ids
+        tokens = input_ids[0].cpu().numpy()
+        self.policy.commit(self.request_id, tokens[self._committed :])
+        self._committed = tokens.shape[0]
+        room = self.main_model_max_length - input_ids.shape[1] - 1
+        plan = self.policy.plan([(self.request_id, tokens, max(room, 0))])
+        action = plan.action(self.request_id)
+        self._step = action[0] if room > 0 else None  # at the length limit: a forced plain step, not a planned one
+        if action[0] != "draft":
+            if self.pending_trajectory is not None and room > 0:  # drafted for this anchor, and nothing uses it
                 self.stats.retained_lengths[-1] = 0
                 self.pending_trajectory = None
-            self._cycle_source, candidate_ids = proposal
+            candidate_ids = input_ids
+            if action[0] == "lookup":
+                self._cycle_source = action[2]
+                candidates = torch.tensor([action[1]], dtype=input_ids.dtype, device=input_ids.device)  # [1, m]
+                candidate_ids = torch.cat([input_ids, candidates], dim=1)
             self._verified = candidate_ids.shape[1] - input_ids.shape[1] + 1
-            return candidate_ids, None
+            return self._verify_from_here(candidate_ids, None)
+        # "fixed" verifies all k drafts even past the length limit, as it always did (`_assisted_decoding` trims)
+        self.num_assistant_tokens = self.settings.num_assistant_tokens if self.policy.kind == "fixed" else action[1]
+        plan.actions[self.request_id] = ("draft", self.num_assistant_tokens)
+        return self._draft(input_ids, model_kwargs, model_outputs, n_last_matches, plan, **kwargs)
+
+    def _draft(self, input_ids, model_kwargs, model_outputs, n_last_matches, plan, **kwargs):
+        """A drafted cycle: the parent drafts the block (ReTrace-conditioned), the policy picks how many to verify."""
         if self._unseen_features:  # the parent reads the first `n_last_matches + 1` positions of `hidden_states[1]`
             unseen = self._unseen_features  # [1, U, F]: every committed position it has not seen
             context = unseen[0] if len(unseen) == 1 else torch.cat(unseen, dim=1)
             model_outputs, n_last_matches = _ConcatenatedFeatures(hidden_states=(None, context)), context.shape[1] - 1
         forwards = self.stats.num_drafter_forwards
+        start = time.perf_counter()
         candidate_ids, candidate_logits = super().get_candidates(
-            input_ids,
-            model_kwargs=model_kwargs,
-            model_outputs=model_outputs,
-            is_first_iteration=is_first_iteration,
-            n_last_matches=n_last_matches,
-            **kwargs,
-        )
-        if self.stats.num_drafter_forwards == forwards:  # the first iteration, or no room left for a draft
+            input_ids, model_kwargs=model_kwargs, model_outputs=model_outputs, is_first_iteration=False,
+            n_last_matches=n_last_matches, **kwargs,
+        )  # fmt: skip
+        if self.stats.num_drafter_forwards == forwards:  # no room left for a draft
+            self._step = None
             return candidate_ids, candidate_logits
         self._unseen_features = []
-        if candidate_logits is not None and self.confidence_threshold is not None:
-            candidate_ids, candidate_logits = stop_at_low_confidence(
-                input_ids.shape[1], candidate_ids, candidate_logits, self.confidence_threshold
-            )
-        # a cycle is one drafter forward, even when no draft was confident enough to verify (then it commits 1 token)
-        self._drafted, self._verified = True, candidate_ids.shape[1] - input_ids.shape[1] + 1
+        keep = candidate_logits.shape[1]
+        if self.policy.kind == "goodput" or self.confidence_threshold is not None:
+            confidence = candidate_logits.float().softmax(-1).amax(-1)  # [1, k]: top-1 draft probability per slot
+            keep = self.policy.num_drafts(plan, {self.request_id: confidence[0].cpu().numpy()})[self.request_id]
+        self._drafter_seconds = time.perf_counter() - start  # the drafter, its lm head and the host sync above
+        candidate_ids, candidate_logits = _keep_drafts(input_ids.shape[1], candidate_ids, candidate_logits, keep)
+        # a cycle is one drafter forward, even when no draft was worth verifying (then it commits 1 token)
+        self._drafted, self._verified = True, keep + 1
+        return self._verify_from_here(candidate_ids, candidate_logits)
+
+    def _verify_from_here(self, candidate_ids, candidate_logits):
+        self._verify_start = time.perf_counter()  # the target's verification runs until `update_candidate_strategy`
         return candidate_ids, candidate_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self._drafted or self._cycle_source is not None:  # a verification cycle (prefill, final plain steps: no)
-            n = int(num_matches)
-            self.stats.acceptance_lengths.append(n + 1)
-            retained = max(self._verified - 2 - n, 0) if self._drafted and self.uses_trajectory else 0
-            self.stats.retained_lengths.append(retained)
-            if self._cycle_source is not None:
-                name = self._cycle_source.name
-                self.stats.source_cycles[name] = self.stats.source_cycles.get(name, 0) + 1
+        if self._step is None:  # prefill, or a plain step at the length limit: not a planned step
+            return
+        target_seconds = time.perf_counter() - self._verify_start
+        n = int(num_matches)
+        self.stats.acceptance_lengths.append(n + 1)
+        retained = max(self._verified - 2 - n, 0) if self._drafted and self.uses_trajectory else 0
+        self.stats.retained_lengths.append(retained)
+        if self._cycle_source is not None:
+            self.stats.source_cycles[self._cycle_source] = self.stats.source_cycles.get(self._cycle_source, 0) + 1
+        self.stats.num_empty_steps += self._verified == 1
+        self.policy.outcome(self.request_id, n)
+        drafter_seconds = self._drafter_seconds if self._drafted else None
+        self.policy.step_time(self._verified, self.block_size if self._drafted else 0, target_seconds, drafter_seconds)
+        if self.policy.last_step is not None:
+            self.stats.predicted_seconds.append(self.policy.last_step.expected_seconds)
+            self.stats.measured_seconds.append(target_seconds + (drafter_seconds or 0.0))
 
     def _collect_features(self, input_ids: torch.LongTensor, features: torch.Tensor, num_matches: int) -> None:
         """Builds the pending trajectory of a drafted cycle, and keeps the features of the newly committed positions.
@@ -267,19 +341,6 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         new = input_ids.shape[1] - 1 - self._num_featured
         self._unseen_features.append(features[:, :new])
         self._num_featured += new
-
-    def _propose_from_sources(self, input_ids: torch.LongTensor) -> tuple[CandidateSource, torch.LongTensor] | None:
-        """`(source, [1, T + m])`: the first source that proposes, and the context with its `m` candidates; `None`
-        when no source is on or proposes, or there is no room left."""
-        room = self.main_model_max_length - input_ids.shape[1] - 1
-        if room <= 0 or not self.sources:
-            return None
-        # the sources are host-side bookkeeping on numpy (the same code the vLLM plugin runs): one copy of the ids
-        source, tokens = propose_from_sources(self.sources, input_ids[0].cpu().numpy(), room)
-        if source is None:
-            return None
-        candidates = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)  # [1, m]
-        return source, torch.cat([input_ids, candidates], dim=1)
 
     def _concatenated_features(self, model_outputs) -> torch.Tensor:
         """`[1, T_last, len(ids) * H]`: target features of the last target forward's `T_last` inputs (the prompt
@@ -307,9 +368,29 @@ def stop_at_low_confidence(
     """
     confidence = candidate_logits.float().softmax(-1).amax(-1)  # [1, k]
     keep = int(num_confident(confidence[0].cpu().numpy(), threshold))  # one host sync per cycle: the verified length
+    return _keep_drafts(context_length, candidate_ids, candidate_logits, keep)
+
+
+def _keep_drafts(context_length: int, candidate_ids: torch.LongTensor, candidate_logits: torch.Tensor, keep: int):
+    """The first `keep` drafts of `candidate_ids` `(1, T + k)` and `candidate_logits` `(1, k, V)`; `None` logits when
+    `keep = 0`, which transformers runs as a plain target step."""
     if keep == 0:
         return candidate_ids[:, :context_length], None
     return candidate_ids[:, : context_length + keep], candidate_logits[:, :keep]
+
+
+class _SourceResources:
+    """What the candidate sources get from the transformers side: the drafter's datastore and its online datastore,
+    which lives on the drafter (`speculation_state`), so it learns across `generate` calls."""
+
+    def __init__(self, drafter, state):
+        self.drafter, self.state = drafter, state
+
+    def datastore(self, *args):
+        return self.drafter.datastore(*args)
+
+    def online_datastore(self, max_bytes: int):
+        return self.state.online_datastore(max_bytes)
 
 
 @dataclass

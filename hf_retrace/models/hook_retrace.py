@@ -63,6 +63,7 @@ def make_candidate_generator(target, drafter, input_ids, generation_config, logi
         main_model_output_embeddings=target.get_output_embeddings(),  # the generator builds its draft head from it
         generation_config=generation_config,
         logits_processor=logits_processor,
+        target=target,  # the cost-aware policy profiles its step costs on it (once per host and configuration)
     )
 
 
