@@ -161,6 +161,11 @@ class SpeculationPolicy:
             counts = {rid: int(by_id.get(rid, 0)) for rid in capped}
         for rid, k in counts.items():
             self._pending[rid] = ("drafter", ProposalFeatures.drafter(capped[rid][:k]))
+            if k == 0 and capped[rid].size and self.kind == "goodput":
+                # a block with no draft worth verifying teaches the confidence table nothing (nothing was judged),
+                # but the drafter ran for nothing: the estimate that decides whether it runs (per slot, before its
+                # confidences exist) counts it as a first draft lost, so futile blocks stop being planned
+                self.estimator._learn("drafter_slots", [0], 0, rid)
         return counts
 
     def _confidence_stop(self, probabilities: np.ndarray) -> int:

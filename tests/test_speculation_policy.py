@@ -1,0 +1,111 @@
+"""The shared speculation step (`speculation_retrace.SpeculationPolicy`) on synthetic costs, numpy only: "fixed" is
+the first proposing source or the drafter with the confidence stop; "goodput" verifies nothing when rows are dear and
+many tokens when they are cheap; outcomes teach the estimator; the online datastore follows each request."""
+
+import numpy as np
+import pytest
+
+from hf_retrace.models.cost_model_retrace import StepCostModel
+from hf_retrace.models.policy_settings_retrace import resolve_settings
+from hf_retrace.models.sources_retrace import OnlineDatastoreSource, candidate_sources, propose_from_sources
+from hf_retrace.models.speculation_retrace import SpeculationPolicy
+
+
+BLOCK = 8
+REPEATING = np.array([4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5, 6])
+
+
+def _costs(row_ms: float, drafter_ms: float = 2.0, base_ms: float = 20.0) -> StepCostModel:
+    """`t(R) = base + row * (R - 1)`, `d(B) = drafter`; no online refresh."""
+    rows = [(r, (base_ms + row_ms * (r - 1)) / 1e3) for r in (1, 2, 4, 8, 16)]
+    return StepCostModel.fit(rows, [(BLOCK, drafter_ms / 1e3)], alpha=0.0)
+
+
+def _policy(kind: str, cost_model=None, **values) -> SpeculationPolicy:
+    settings = resolve_settings({"speculation_policy": kind, **values}, BLOCK)
+    return SpeculationPolicy(settings, candidate_sources(settings, None), BLOCK, cost_model)
+
+
+def test_fixed_is_the_first_proposing_source_then_the_drafter_with_the_confidence_stop():
+    policy = _policy("fixed", prompt_lookup_num_tokens=4, num_assistant_tokens=5, assistant_confidence_threshold=0.5)
+    plan = policy.plan([("a", REPEATING, 10), ("b", np.array([1, 2, 3]), 10), ("c", np.array([1, 2, 3]), 2)])
+    source, tokens = propose_from_sources(policy.sources, REPEATING, 10)
+    assert plan.action("a") == ("lookup", tokens, source.name) == ("lookup", [7, 8, 9, 4], "prompt_lookup")
+    assert plan.action("b") == ("draft", 5) and plan.action("c") == ("draft", 2)  # the room caps the drafts
+    assert plan.drafting == ["b", "c"]
+    counts = policy.num_drafts(plan, {"b": [0.9, 0.8, 0.4, 0.9, 0.9, 0.9, 0.9], "c": [0.9, 0.9, 0.9]})
+    assert counts == {"b": 2, "c": 2}
+    assert _policy("fixed").plan([("a", REPEATING, 0)]).action("a") == ("none",)
+
+
+def test_goodput_verifies_nothing_when_rows_are_dear_and_many_tokens_when_cheap():
+    dear = _policy("goodput", _costs(row_ms=200.0, drafter_ms=50.0), prompt_lookup_num_tokens=4)
+    plan = dear.plan([("a", REPEATING, 10), ("b", np.array([1, 2, 3]), 10)])
+    assert plan.action("a") == ("none",) and plan.action("b") == ("none",) and plan.drafting == []
+
+    cheap = _policy("goodput", _costs(row_ms=0.1, drafter_ms=1.0))
+    plan = cheap.plan([("b", np.array([1, 2, 3]), 10)])
+    assert plan.action("b") == ("draft", BLOCK - 1)
+    assert cheap.num_drafts(plan, {"b": np.full(BLOCK - 1, 0.95)}) == {"b": BLOCK - 1}
+    # after the drafter ran, a draft it does not believe in is not worth even a cheap row
+    mid = _policy("goodput", _costs(row_ms=3.0, drafter_ms=1.0))
+    plan = mid.plan([("b", np.array([1, 2, 3]), 10)])
+    assert plan.drafting == ["b"]
+    assert mid.num_drafts(plan, {"b": np.full(BLOCK - 1, 0.02)}) == {"b": 0}
+    assert 0 < mid.num_drafts(plan, {"b": [0.99, 0.97, 0.95, 0.1, 0.1, 0.1, 0.1]})["b"] <= 3
+
+
+def test_goodput_caps_drafts_by_num_assistant_tokens_and_the_room():
+    policy = _policy("goodput", _costs(row_ms=0.1, drafter_ms=0.5), num_assistant_tokens=3)
+    plan = policy.plan([("a", np.array([1, 2, 3]), 10), ("b", np.array([1, 2, 3]), 2)])
+    assert plan.action("a") == ("draft", 3) and plan.action("b") == ("draft", 2)
+    assert policy.num_drafts(plan, {"a": np.full(BLOCK - 1, 0.99), "b": np.full(BLOCK - 1, 0.99)}) == {"a": 3, "b": 2}
+
+
+def test_goodput_needs_a_cost_model():
+    with pytest.raises(ValueError, match="step-cost model"):
+        _policy("goodput")
+
+
+def test_outcomes_teach_the_estimator_and_step_times_refresh_the_costs():
+    costs = _costs(row_ms=1.0, drafter_ms=1.0)
+    costs.alpha = 0.5
+    policy = _policy("goodput", costs)
+    before = policy.estimator.estimate("drafter", _drafts(4))
+    for _ in range(30):
+        plan = policy.plan([("a", np.array([1, 2, 3]), 10)])
+        policy.num_drafts(plan, {"a": np.full(BLOCK - 1, 0.75)})
+        policy.outcome("a", 0)  # every first draft rejected
+    assert policy.estimator.estimate("drafter", _drafts(4))[0] < before[0] - 0.2
+    t4 = float(costs.target_seconds(4))
+    policy.step_time(4, BLOCK, target_seconds=2 * t4, drafter_seconds=0.001)
+    assert float(costs.target_seconds(4)) > t4
+
+
+def _drafts(k: int):
+    from hf_retrace.models.acceptance_retrace import ProposalFeatures
+
+    return ProposalFeatures.drafter(np.full(k, 0.75))
+
+
+def test_the_online_datastore_learns_requests_and_frees_them():
+    policy = _policy("goodput", _costs(row_ms=0.5, drafter_ms=50.0), online_datastore_num_tokens=6)
+    (source,) = policy.sources
+    assert isinstance(source, OnlineDatastoreSource) and source.store.max_bytes == 32 * 2**20
+    policy.start("a", [1, 2, 3])
+    policy.commit("a", [10, 11, 12, 13, 14, 15, 16])
+    policy.finish("a")
+    assert source.store.num_requests == 0 and source.store.num_responses == 1
+    policy.start("b", [7, 10, 11])
+    plan = policy.plan([("b", np.array([7, 10, 11]), 3)])
+    assert plan.action("b") == ("lookup", [12, 13, 14], "online_datastore")  # never past its room
+    policy.outcome("b", 3)
+    policy.finish("b")
+    assert policy.estimator.num_requests == 0 and source.store.num_requests == 0
+
+
+def test_online_datastore_settings_are_checked():
+    with pytest.raises(ValueError, match="online_datastore_max_bytes"):
+        resolve_settings({"online_datastore_num_tokens": 4, "online_datastore_max_bytes": -1}, BLOCK)
+    with pytest.raises(ValueError, match="speculation_policy"):
+        resolve_settings({"speculation_policy": "greedy"}, BLOCK)
