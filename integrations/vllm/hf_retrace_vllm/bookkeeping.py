@@ -86,10 +86,13 @@ def read_step_batch(
     )  # fmt: skip
 
 
-def drop_finished(pending: dict, requests) -> None:
-    """Frees the state of requests that left the runner (finished or aborted)."""
-    for req_id in [r for r in pending if r not in requests]:
-        del pending[req_id]
+def drop_finished(states: dict, requests) -> list:
+    """Frees the state (`{request id: ...}`) of requests that left the runner (finished or aborted). Returns their
+    ids."""
+    gone = [r for r in states if r not in requests]
+    for req_id in gone:
+        del states[req_id]
+    return gone
 
 
 def verifies_previous(previous: Pending | None, step: StepBatch, i: int, decoding: bool) -> bool:

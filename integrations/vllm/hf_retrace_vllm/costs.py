@@ -130,11 +130,16 @@ class EngineCosts:
         """Fits the model to the start-up profile's `(size, seconds)` samples, unless the cache file matched."""
         if self.source == "cache" or not target_samples or not drafter_samples:
             return
-        self.model, self.source = StepCostModel.fit(target_samples, drafter_samples), "profile"
+        fitted = StepCostModel.fit(target_samples, drafter_samples)
+        self._replace_curves(fitted.target, fitted.drafter)
+        self.source = "profile"
         self.save()
 
-    def observe(self, record) -> bool:
-        """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle)."""
+    def observe(self, record, step_time=None) -> bool:
+        """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle).
+
+        `step_time(rows, slots, target_seconds, drafter_seconds)` refreshes the curves (the policy's, which owns this
+        `model` too); without it, `model.observe` does."""
         costs = step_costs(record)
         if costs is None:
             return False
@@ -145,7 +150,10 @@ class EngineCosts:
         if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
             self.skipped += 1
             return False
-        self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None)
+        if step_time is not None:
+            step_time(rows, slots, target_s, drafter_s)
+        else:
+            self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None)
         self._since_save += 1
         if self._since_save >= SAVE_EVERY:
             self.save()
@@ -161,7 +169,7 @@ class EngineCosts:
         target_scale = statistics.median(t / p for t, p, _, _ in self._warm)
         drafted = [d / p for _, _, d, p in self._warm if p > 0]
         drafter_scale = statistics.median(drafted) if drafted else target_scale
-        self.model = StepCostModel(
+        self._replace_curves(
             CostCurve(self.model.target.sizes, self.model.target.seconds * target_scale),
             CostCurve(self.model.drafter.sizes, self.model.drafter.seconds * drafter_scale),
         )
@@ -170,6 +178,10 @@ class EngineCosts:
                     self.model.target_seconds(1) * 1e3, self.model.drafter_seconds(16) * 1e3)  # fmt: skip
         self.save()
         return True
+
+    def _replace_curves(self, target: CostCurve, drafter: CostCurve) -> None:
+        """Swaps the curves in place: the policy holds this `model` object."""
+        self.model.target, self.model.drafter = target, drafter
 
     def save(self) -> None:
         """Writes the model to the cache file (not a prior no step has scaled yet)."""

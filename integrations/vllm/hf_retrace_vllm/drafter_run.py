@@ -48,19 +48,19 @@ def block_forward(proposer, num_tokens: int, block_cad, conditioning, timer) -> 
         proposer.model.conditioning = None
 
 
-def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block_size: int, threshold):
-    """The greedy drafts of the requests that draft.
+def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block_size: int):
+    """The greedy drafts of the requests that draft, with their top-1 probabilities (what the policy sizes the
+    verification by: the confidence stop, or the goodput rule).
 
     Args:
         model: the drafter (`compute_logits` maps states to logits over the target vocabulary, via `d2t`).
         hidden (`torch.Tensor` of shape `(N, H)`): the block forward's states, `batch` blocks of `block_size` first.
         drafting (`dict[int, int]`): batch row -> most drafts to propose.
-        threshold (`float` or `None`): the confidence stop: drafts are kept while the drafter's top-1 probability
-            stays at or above it.
 
     Returns:
-        `(order, drafts, keep, states)`: the drafting rows in order, their `k_max` greedy drafts each, how many of
-        them pass the confidence stop, and `[d, k_max, H]` the states of mask slots `1..k_max`.
+        `(order, drafts, confidence, states)`: the drafting rows in order, their `k_max` greedy drafts each,
+        `np.ndarray` of shape `(d, k_max)` the drafter's top-1 probability per draft, and `[d, k_max, H]` the states
+        of mask slots `1..k_max`.
     """
     blocks = hidden[: batch * block_size].view(batch, block_size, -1)  # [b, B, H]
     order = sorted(drafting)
@@ -68,8 +68,5 @@ def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block
     states = blocks[order, 1 : 1 + k_max]  # [d, k, H]: mask slots 1..k
     logits = model.compute_logits(states.reshape(-1, states.shape[-1])).view(len(order), k_max, -1)  # [d, k, V]
     drafts = logits.argmax(dim=-1).tolist()  # greedy drafts (exact for sampling too: q is one-hot)
-    keep = [k_max] * len(order)
-    if threshold is not None:
-        confident = logits.float().softmax(-1).amax(-1) >= threshold  # [d, k]
-        keep = confident.int().cumprod(dim=-1).sum(dim=-1).tolist()
-    return order, drafts, keep, states
+    confidence = logits.float().softmax(-1).amax(-1).cpu().numpy()  # [d, k]
+    return order, drafts, confidence, states

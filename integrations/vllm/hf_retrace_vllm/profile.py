@@ -123,9 +123,13 @@ def profile_step_costs(runner) -> StartupProfile:
 
 def profile_after_warm_up(worker) -> None:
     """Called after a CPU worker's `compile_or_warm_up_model`: profiles the step costs and hands them to the
-    hf-retrace proposer (`startup_profile`), unless disabled or the drafter is not hf-retrace's."""
+    hf-retrace proposer (`startup_profile`, and its step-cost model, costs.py), unless disabled, the drafter is not
+    hf-retrace's, or the proposer's cost model came from this host's cache file."""
     from .proposer import ReTraceDFlashProposer
 
     runner = worker.model_runner
-    if is_enabled() and isinstance(getattr(runner, "drafter", None), ReTraceDFlashProposer):
-        runner.drafter.startup_profile = profile_step_costs(runner)
+    drafter = getattr(runner, "drafter", None)
+    if not (is_enabled() and isinstance(drafter, ReTraceDFlashProposer)) or drafter.costs.source == "cache":
+        return
+    drafter.startup_profile = profile_step_costs(runner)
+    drafter.costs.use_profile(drafter.startup_profile.target, drafter.startup_profile.drafter)

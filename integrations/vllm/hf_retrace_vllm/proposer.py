@@ -6,18 +6,22 @@ Each engine step, for every request in the batch (in this order):
    rejected suffix (slots `j = n+2 .. m`, `L = m-1-n` of them) and the target's features at verification rows
    `j-1` become the next block's conditioning of mask slots `1..L` (the same slots as the transformers
    side's `build_rejected_trajectory`, with `B` there being the verified length `m+1`).
-2. Proposal from the committed context: the candidate sources in registry order (prompt lookup, else the datastore
-   walk: `policy.lookup`), else the drafter.
-3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks), of
-   which the first `k` drafts are proposed. The target's features of every committed position are written to the
-   drafter's context K/V cache every step, lookup cycles included, so a lookup never leaves a hole in its context.
+2. The shared speculation step (`SpeculationPolicy`, docs/cost-aware-speculation.md) learns from it: the outcome of
+   the request's previous proposal, the tokens just committed (the online datastore indexes them), the end of the
+   requests that left the runner. Then it plans the batch from the committed contexts: per request a lookup's
+   tokens, the drafter, or nothing (`speculation_policy`: `"goodput"` weighs the step-cost model, `costs.py`,
+   against calibrated acceptance; `"fixed"` takes the first source that proposes, else the drafter).
+3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks); the
+   policy then picks how many of a request's drafts are verified from their top-1 probabilities (`num_drafts`).
+   The target's features of every committed position are written to the drafter's context K/V cache every step,
+   lookup cycles included, so a lookup never leaves a hole in its context.
 
-`propose()` runs these as steps: bookkeeping and proposal (`_bookkeep`, `_lookup`; bookkeeping.py), conditioning
-(`_conditioning`), the drafter run (`_run_drafter`; drafter_run.py), each timed into a `StepRecord` (steps.py) for
-the step-cost model, beside the start-up profile (`startup_profile`, profile.py).
+`propose()` runs these as steps: bookkeeping and plan (`_bookkeep`, `_plan`; bookkeeping.py), conditioning
+(`_conditioning`), the drafter run (`_run_drafter`; drafter_run.py), each timed into a `StepRecord` (steps.py) that
+refreshes the step-cost model (`costs.py`: this host's cache file, the start-up profile, profile.py, or a prior).
 
-`num_speculative_tokens` (vLLM's `K`) is the most tokens a cycle verifies: drafter cycles verify
-`min(K, num_assistant_tokens)` drafts, lookups at most `K` tokens.
+A request verifies at most `min(K, room)` tokens (`K`: vLLM's `num_speculative_tokens`; room: before `max_tokens`
+and `max_model_len`); drafter cycles at most `num_assistant_tokens` of them, a source at most its `*_num_tokens`.
 """
 
 import numpy as np
@@ -30,9 +34,12 @@ from .bookkeeping import (
     Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, read_step_batch, retained_suffix,
     verifies_previous,
 )  # fmt: skip
+from .costs import EngineCosts, key_from_vllm_config
 from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs, write_context_kv
-from .policy import DraftPolicy, lookup, policy_sources
+from .policy import DRAFTER, STATS_NAMES, DraftPolicy, policy_sources
 from .profile import StartupProfile
+from .shared.online_datastore_retrace import OnlineDatastore
+from .shared.speculation_retrace import SpeculationPlan, SpeculationPolicy
 from .stats import ProposerStats
 from .steps import StepClock, StepRecord
 
@@ -76,10 +83,14 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.sources = policy_sources(self.policy, self.draft_model_config.model, vocab_size)  # index built here
         self.uses_retrace = self.policy.retrace_mode != "off"
         self.pending: dict[str, Pending] = {}  # by request id; dropped when the request leaves the runner
+        self.committed: dict[str, int] = {}  # tokens the policy has seen committed, by running request id
         self.stats = ProposerStats()
         self.clock = StepClock()
         self.last_step: StepRecord | None = None  # the step-cost model's input: R, S and the parts' seconds
         self.startup_profile: StartupProfile | None = None  # set after vLLM's warm-up (profile.py)
+        self.costs = EngineCosts(key_from_vllm_config(vllm_config))  # t(R), d(S): cache file, profile or prior
+        self.speculation = SpeculationPolicy(self.policy.settings, self.sources, self.policy.block_size,
+                                             self.costs.model)  # fmt: skip
         self._logged = 0  # hundreds of cycles already logged
 
     def _size_for_block(self) -> None:
@@ -98,6 +109,11 @@ class ReTraceDFlashProposer(DFlashProposer):
         super().load_model(target_model)
         patches.check_attributes(self.model, "DFlashQwen3ForCausalLM")
         patches.check_attributes(self.model.model, "DFlashQwen3Model")
+
+    @property
+    def online_datastore(self) -> OnlineDatastore | None:
+        """The online datastore's index (`None` when `online_datastore_num_tokens` is off)."""
+        return next((s.store for s in self.sources if s.name == "online_datastore"), None)
 
     @property
     def step_records(self):
@@ -128,8 +144,8 @@ class ReTraceDFlashProposer(DFlashProposer):
         step = read_step_batch(
             self.runner.input_batch, cad, target_token_ids, target_positions, next_token_ids, num_rejected_tokens_gpu
         )
-        drop_finished(self.pending, self.runner.requests)
-        proposals, drafting, retained = self._bookkeep_and_propose(step, context_features, max_verified)
+        self._drop_finished()
+        plan, proposals, drafting, retained = self._bookkeep_and_plan(step, context_features, max_verified)
         drafting = self._fit_block(drafting, cad, step.req_ids)
         conditioning = self._conditioning(retained, drafting)
         self.clock.lap("policy")
@@ -138,34 +154,53 @@ class ReTraceDFlashProposer(DFlashProposer):
             "target_positions": target_positions, "target_hidden_states": context_features, "cad": cad,
             "num_rejected_tokens_gpu": num_rejected_tokens_gpu,
         }  # fmt: skip
-        drafter_slots = self._run_drafter(drafting, proposals, conditioning, step.req_ids, step_inputs)
+        drafter_slots = self._run_drafter(plan, drafting, proposals, conditioning, step.req_ids, step_inputs)
         self._finish_step(step, drafter_slots)
         return proposals
 
-    def _bookkeep_and_propose(self, step: StepBatch, context_features, max_verified: int):
-        """Per request: the bookkeeping of the cycle just verified, then a proposal from `_lookup`, or a place in
-        the drafter's forward. Returns `(proposals, drafting, retained)`: a list per request (empty for drafting
-        ones, filled by the drafter run), `{batch row: drafts to propose}`, and the ReTrace suffixes kept."""
+    def _bookkeep_and_plan(self, step: StepBatch, context_features, max_verified: int):
+        """Per request: the bookkeeping of the cycle just verified and its newly committed tokens, then the policy's
+        plan of the batch. Returns `(plan, proposals, drafting, retained)`: the [`SpeculationPlan`], a list per request
+        (a lookup's tokens; empty for drafting ones, filled by the drafter run, and for those that propose nothing),
+        `{batch row: most drafts}`, and the ReTrace suffixes kept."""
         proposals: list[list[int]] = [[] for _ in range(step.size)]
-        drafting: dict[int, int] = {}  # batch index -> drafts to propose
-        retained = []
+        retained, requests, anchors = [], [], {}
         for i, req_id in enumerate(step.req_ids):
             verified = self._bookkeep(step, i, context_features, retained)
             if verified is None:
                 continue
             tokens = committed_tokens(self.runner.input_batch, step, i, *verified)
-            room = self._room(req_id, len(tokens))
-            if room <= 0:
-                continue
-            anchor = len(tokens) - 1
-            proposal, source = self._lookup(tokens, min(room, max_verified))
-            if proposal is not None:
-                proposals[i] = proposal
-                self.pending[req_id] = Pending(source, anchor, len(proposal))
-            else:
-                drafting[i] = min(room, max_verified, self.num_drafts_verified)
-                self.pending[req_id] = Pending("draft", anchor, 0)
-        return proposals, drafting, retained
+            self._commit(req_id, tokens)
+            cap = min(self._room(req_id, len(tokens)), max_verified)
+            if cap > 0:
+                requests.append((req_id, tokens, cap))
+                anchors[req_id] = (i, len(tokens) - 1)
+        plan = self.speculation.plan(requests)
+        drafting: dict[int, int] = {}  # batch index -> most drafts to verify
+        for req_id, (i, anchor) in anchors.items():
+            action = plan.action(req_id)
+            if action[0] == "lookup":
+                proposals[i] = list(action[1])
+                self.pending[req_id] = Pending(STATS_NAMES.get(action[2], action[2]), anchor, len(action[1]))
+            elif action[0] == "draft":
+                drafting[i] = action[1]
+                self.pending[req_id] = Pending(DRAFTER, anchor, 0)
+        return plan, proposals, drafting, retained
+
+    def _commit(self, req_id: str, tokens: np.ndarray) -> None:
+        """Hands the policy `req_id`'s tokens committed since its last step (its prompt first, on first sight)."""
+        seen = self.committed.get(req_id)
+        if seen is None:
+            seen = self.runner.requests[req_id].num_prompt_tokens
+            self.speculation.start(req_id, tokens[:seen])
+        self.speculation.commit(req_id, tokens[seen:])
+        self.committed[req_id] = len(tokens)
+
+    def _drop_finished(self) -> None:
+        """Frees the state of requests that left the runner (finished or aborted), the policy's included."""
+        drop_finished(self.pending, self.runner.requests)
+        for req_id in drop_finished(self.committed, self.runner.requests):
+            self.speculation.finish(req_id)
 
     def _bookkeep(self, step: StepBatch, i: int, context_features, retained: list) -> tuple[int, int] | None:
         """Scores request `i`'s previous proposal if this step verified it, and appends the ReTrace suffix it keeps
@@ -182,6 +217,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         accepted = rows - 1 - step.rejected[i] if decoding else 0
         if verifies_previous(previous, step, i, decoding):
             self.stats.record(previous.source, accepted + 1)
+            self.speculation.outcome(step.req_ids[i], accepted)
             kept = retained_suffix(previous, accepted, step, i, context_features)
             if kept is not None:
                 retained.append(kept)
@@ -213,10 +249,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             limit = min(limit, state.num_prompt_tokens + max_tokens)
         return limit - num_tokens - 1
 
-    def _lookup(self, tokens: np.ndarray, max_tokens: int) -> tuple[list[int] | None, str]:
-        return lookup(self.sources, tokens, max_tokens)  # the shared candidate sources, vLLM-free (policy.py)
-
-    def _run_drafter(self, drafting: dict, proposals, conditioning, req_ids, step_inputs: dict) -> int:
+    def _run_drafter(self, plan: SpeculationPlan, drafting: dict, proposals, conditioning, req_ids,
+                     step_inputs: dict) -> int:  # fmt: skip
         """Writes this step's context K/V, and when a request drafts runs the block forward and fills its proposal
         (and keeps its states for ReTrace). Returns the drafter slots run, `S` (0 when the forward is skipped)."""
         num_tokens, block_cad = prepare_block_inputs(self, step_inputs)
@@ -227,32 +261,38 @@ class ReTraceDFlashProposer(DFlashProposer):
             return 0
         hidden = block_forward(self, num_tokens, block_cad, conditioning, self.clock.lap)
         self.stats.drafter_forwards += 1
-        self._take_drafts(hidden, drafting, proposals, req_ids)
-        self.clock.lap("drafter")
+        self._take_drafts(hidden, plan, drafting, proposals, req_ids)
         return num_tokens
 
-    def _take_drafts(self, hidden: torch.Tensor, drafting: dict, proposals, req_ids) -> None:
-        """Fills the drafting requests' proposals from the block forward's `[N, H]` states."""
-        order, drafts, keep, states = greedy_drafts(
-            self.model, hidden, drafting, len(req_ids), self.policy.block_size, self.policy.confidence_threshold
+    def _take_drafts(self, hidden: torch.Tensor, plan: SpeculationPlan, drafting: dict, proposals, req_ids) -> None:
+        """Fills the drafting requests' proposals from the block forward's `[N, H]` states: the policy picks how many
+        of each one's greedy drafts are verified from their top-1 probabilities."""
+        order, drafts, confidence, states = greedy_drafts(
+            self.model, hidden, drafting, len(req_ids), self.policy.block_size
         )
+        self.clock.lap("drafter")
+        counts = self.speculation.num_drafts(plan, {req_ids[i]: confidence[row] for row, i in enumerate(order)})
         for row, i in enumerate(order):
-            count = min(drafting[i], keep[row])
+            count = counts[req_ids[i]]
             proposals[i] = drafts[row][:count]
-            if count == 0:  # no confident draft: the next step commits 1 token, and counts as this drafter cycle
+            if count == 0:  # no draft verified: the next step commits 1 token, and counts as this drafter cycle
                 self.pending.pop(req_ids[i], None)
-                self.stats.record("draft", 1)  # as the transformers side counts it
+                self.stats.record(DRAFTER, 1)  # as the transformers side counts it
                 continue
             pending = self.pending[req_ids[i]]
             pending.num_proposed = count
             if self.uses_retrace:
                 pending.states = states[row, :count].clone()
+        self.clock.lap("policy")
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
         neither the proposer's nor the engine's time."""
         self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots)
+        self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())
+        if self.online_datastore is not None:
+            self.stats.record_online_datastore_bytes(self.online_datastore.nbytes())
         self.stats.write()
         if sum(self.stats.cycles.values()) // 200 != self._logged:
             self._logged = sum(self.stats.cycles.values()) // 200

@@ -1,0 +1,143 @@
+"""The cost-aware policy in the vLLM proposer (docs/cost-aware-speculation.md).
+
+The step-cost adapter (`costs.py`) on synthetic steps: the prior scales to the first steps, is saved and reloaded as
+this host's cache file, idle gaps are skipped, a file for another configuration or a corrupt one is re-measured.
+Then engines with `speculation_policy="goodput"` and the online datastore, on a random drafter: greedy output equals
+vLLM's plain greedy token for token, at batch 1 and with several requests at once, with the step costs forced cheap
+(rows and drafter slots almost free: every step drafts) and expensive (nothing pays: no proposal at all), and the
+online datastore frees the requests that finished.
+"""
+
+import json
+
+import pytest
+from test_lossless_random import write_drafter
+
+from conftest import PROMPTS, close_llm, greedy, make_llm
+from hf_retrace_vllm import STATS_ENV
+from hf_retrace_vllm.costs import WARM_STEPS, EngineCosts, bound_threads, engine_key
+from hf_retrace_vllm.shared.cost_model_retrace import CostCurve, StepCostModel
+from hf_retrace_vllm.steps import StepRecord
+
+
+MAX_TOKENS = 32
+
+
+def _record(rows, engine, drafter_slots=0, drafter=0.0, propose=0.002):
+    return StepRecord(rows, 1, drafter_slots, engine, 0.001, 0.0005, drafter, propose + drafter)
+
+
+def test_prior_scales_to_the_first_steps_is_saved_and_reloaded(tmp_path):
+    key = engine_key(str(tmp_path / "target"), "torch.float32", 2, False, "drafter")
+    costs = EngineCosts(key, tmp_path / "cost.json", save_at_exit=False)
+    assert costs.source == "prior" and not costs.observe(_record(1, None))  # the first step: engine part unknown
+    for _ in range(WARM_STEPS):
+        costs.observe(_record(1, 0.098, drafter_slots=16, drafter=0.02))
+    assert costs.source == "prior-scaled" and costs.path.exists()
+    assert costs.model.target_seconds(1) == pytest.approx(0.1)  # engine + propose less the drafter forward
+    assert costs.model.drafter_seconds(16) == pytest.approx(0.02)
+    assert costs.model.target_seconds(8) > costs.model.target_seconds(1)  # the prior's shape, scaled
+    model = costs.model
+    assert not costs.observe(_record(1, 100 * 0.1)) and costs.skipped == 1  # an idle gap, not cost
+    assert costs.observe(_record(1, 0.12)) and costs.model is model  # refreshed in place: the policy holds it
+    assert 0.1 < model.target_seconds(1) < 0.12
+    costs.save()
+    again = EngineCosts(key, tmp_path / "cost.json", save_at_exit=False)
+    assert again.source == "cache" and again.model.target_seconds(1) == pytest.approx(model.target_seconds(1))
+
+
+def test_cost_file_of_another_configuration_or_corrupt_is_remeasured(tmp_path):
+    path = tmp_path / "cost.json"
+    key = engine_key(str(tmp_path), "torch.float32", 2, False, "drafter")
+    StepCostModel.fit([(1, 0.01)], [(16, 0.001)]).save(path, engine_key(str(tmp_path), "torch.float32", 4, False))
+    assert EngineCosts(key, path, save_at_exit=False).source == "prior"  # another thread count
+    path.write_text("{not json")
+    assert EngineCosts(key, path, save_at_exit=False).source == "prior"  # the engine starts, and measures again
+
+
+def test_bound_threads_reads_vllm_bind_lists():
+    assert bound_threads("0-1") == 2 and bound_threads("0,2,4") == 3 and bound_threads("0-3|4-7") == 4
+    assert bound_threads("auto") >= 1
+
+
+# --- engines -------------------------------------------------------------------------------------------------------
+
+
+CHEAP = StepCostModel(CostCurve([1, 4096], [0.02, 0.02]), CostCurve([16, 4096], [1e-6, 1e-5]))
+# each row costs 100x the step without it (up to the 6 rows these tests run with): no token ever pays
+EXPENSIVE = StepCostModel(CostCurve(range(1, 7), [0.02 * 100.0**r for r in range(6)]), CostCurve([16, 4096], [100, 1e5]))
+
+
+@pytest.fixture(scope="module")
+def goodput_folder(tmp_path_factory):
+    """The random drafter (test_lossless_random.py) with the cost-aware policy and the online datastore on."""
+    folder = tmp_path_factory.mktemp("goodput") / "drafter"
+    write_drafter(folder, plain=False)
+    config = json.loads((folder / "config.json").read_text())
+    config["hf_retrace"].update(speculation_policy="goodput", online_datastore_num_tokens=8,
+                                online_datastore_max_bytes=32 * 2**20)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.fixture
+def engine_env(monkeypatch, tmp_path):
+    """An in-process engine (its proposer reachable), a fresh step-cost cache and stats file."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
+    return tmp_path
+
+
+def _run(target, folder, stats_path):
+    """Greedy outputs of PROMPTS[0] alone, then of all PROMPTS at once; `(outputs, proposer, stats)`."""
+    llm = make_llm(target, {"method": "dflash", "model": str(folder), "num_speculative_tokens": 3})
+    try:
+        alone = greedy(llm, PROMPTS[:1], max_tokens=MAX_TOKENS)
+        together = greedy(llm, max_tokens=MAX_TOKENS)
+        # the runner drops finished requests at its next step, and the proposer with it: one more short request
+        greedy(llm, ["Hello"], max_tokens=2)
+        proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        return alone + together, proposer, json.loads(stats_path.read_text())
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def plain_short(target):
+    llm = make_llm(target)
+    try:
+        return greedy(llm, PROMPTS[:1], max_tokens=MAX_TOKENS) + greedy(llm, max_tokens=MAX_TOKENS)
+    finally:
+        close_llm(llm)
+
+
+def _force_costs(target, folder, model):
+    """Writes `model` as this host's step-cost cache file for the engine `_run` starts."""
+    key = engine_key(str(target), "torch.float32", bound_threads(), False, str(folder))
+    costs = EngineCosts(key, save_at_exit=False)
+    model.save(costs.path, key)
+    return costs.path
+
+
+def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodput_folder, plain_short, engine_env):
+    outputs, proposer, stats = _run(target, goodput_folder, engine_env / "stats.json")
+    assert outputs == plain_short
+    assert proposer.costs.source == "prior-scaled" and proposer.costs.path.exists()  # saved once scaled
+    assert stats["online_datastore_bytes"] > 0, stats
+    online = proposer.online_datastore  # every finished request freed, its response in the global index
+    assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
+    assert len(proposer.committed) == 1 and not proposer.speculation.estimator.num_requests > 1
+
+
+@pytest.mark.parametrize("forced", ["cheap", "expensive"])
+def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_short, engine_env, forced):
+    path = _force_costs(target, goodput_folder, CHEAP if forced == "cheap" else EXPENSIVE)
+    outputs, proposer, stats = _run(target, goodput_folder, engine_env / "stats.json")
+    assert proposer.costs.source == "cache" and proposer.costs.path == path
+    assert outputs == plain_short
+    verified = sum(stats["cycles"].values())
+    if forced == "cheap":  # rows and slots almost free: drafts are verified at every step
+        assert stats["drafter_forwards"] > 10 and stats["cycles"]["draft"] > 10, stats
+    else:  # nothing pays: no proposal, no drafter forward
+        assert stats["drafter_forwards"] == 0 and verified == 0, stats
