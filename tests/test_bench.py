@@ -99,6 +99,10 @@ def test_parse_methods():
     lookups = parse_methods("prompt_lookup,pl3=prompt_lookup:3")  # several lookup arms in one run
     assert lookups[1:] == [MethodSpec("prompt_lookup", "prompt_lookup", num_lookup_tokens=10),
                            MethodSpec("pl3", "prompt_lookup", num_lookup_tokens=3)]  # fmt: skip
+    with_settings = parse_methods("g=/x:y/d:off:speculation_policy=goodput:num_assistant_tokens=None:t=0.5")[1]
+    assert (with_settings.folder, with_settings.retrace_mode) == ("/x:y/d", "off")
+    assert with_settings.settings == {"speculation_policy": "goodput", "num_assistant_tokens": None, "t": 0.5}
+    assert parse_methods("g=/d:online_datastore_num_tokens=8")[1].settings == {"online_datastore_num_tokens": 8}
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ method loads a drafter folder, optionally overriding its `retrace_mode` (definit
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,13 +37,15 @@ class Generation:
 
 @dataclass
 class MethodSpec:
-    """One `--methods` entry. `kind` is `ar`, `prompt_lookup` or `drafter`; `retrace_mode=None` keeps the saved one."""
+    """One `--methods` entry. `kind` is `ar`, `prompt_lookup` or `drafter`; `retrace_mode=None` keeps the saved one;
+    `settings` are decoding settings set on the drafter's `generation_config` (`None` = unset)."""
 
     name: str
     kind: str
     folder: str | None = None
     retrace_mode: str | None = None
     num_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS
+    settings: dict = field(default_factory=dict)
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -64,6 +66,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
                 raise ValueError(f"expected NAME=prompt_lookup:K with K >= 1 lookup tokens, got {item!r}")
             specs.append(MethodSpec(name, "prompt_lookup", num_lookup_tokens=int(tokens)))
         elif has_value and value and name not in (REFERENCE, "pooled"):
+            value, settings = split_settings(value)
             folder, mode = split_retrace_mode(value)
             if name == "dflash":
                 if mode not in (None, "off"):
@@ -71,11 +74,11 @@ def parse_methods(text: str) -> list[MethodSpec]:
                         f"`dflash` always runs with retrace_mode='off'; name the method otherwise: {item}"
                     )
                 mode = "off"
-            specs.append(MethodSpec(name, "drafter", folder, mode))
+            specs.append(MethodSpec(name, "drafter", folder, mode, settings=settings))
         else:
             raise ValueError(
                 f"cannot parse method {item!r}; expected ar, prompt_lookup[=K], NAME=prompt_lookup:K, "
-                "dflash=FOLDER or NAME=FOLDER[:MODE]"
+                "dflash=FOLDER or NAME=FOLDER[:MODE][:key=value...]"
             )
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
@@ -85,6 +88,27 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
+def split_settings(value: str) -> tuple[str, dict]:
+    """`FOLDER[:MODE]:key=value:...` -> `(FOLDER[:MODE], {key: value})`; values are ints, floats, `None` or text."""
+    settings = {}
+    while ":" in value and "=" in value.rpartition(":")[2]:
+        value, _, pair = value.rpartition(":")
+        key, _, text = pair.partition("=")
+        settings[key] = _setting_value(text)
+    return value, dict(reversed(settings.items()))
+
+
+def _setting_value(text: str):
+    if text == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def split_retrace_mode(value: str) -> tuple[str, str | None]:
     """`FOLDER:MODE` -> `(FOLDER, MODE)` when MODE is a retrace mode, else `(value, None)` (colons in paths stay)."""
     folder, sep, mode = value.rpartition(":")
@@ -92,14 +116,20 @@ def split_retrace_mode(value: str) -> tuple[str, str | None]:
 
 
 def load_drafter(
-    folder: str, retrace_mode: str | None, dtype: torch.dtype, device, draft_logits_dtype: str | None = None
+    folder: str, retrace_mode: str | None, dtype: torch.dtype, device, draft_logits_dtype: str | None = None,
+    settings: dict | None = None,
 ) -> ReTraceDrafterModel:
-    """Loads a drafter folder, optionally overriding its `retrace_mode` and `draft_logits_dtype` (same weights)."""
+    """Loads a drafter folder, optionally overriding its `retrace_mode`, `draft_logits_dtype` and other decoding
+    `settings` (same weights); a bad setting raises `ValueError` here, before any generation."""
     drafter = ReTraceDrafterModel.from_pretrained(folder, dtype=dtype)
     if retrace_mode is not None:
         drafter.set_retrace_mode(retrace_mode)
     if draft_logits_dtype is not None:
         drafter.generation_config.draft_logits_dtype = None if draft_logits_dtype == "target" else draft_logits_dtype
+    if settings:
+        for key, value in settings.items():
+            setattr(drafter.generation_config, key, value)
+        drafter.decoding_settings()  # checks them (unknown keys, ranges)
     return drafter.to(device).eval()
 
 
@@ -110,7 +140,8 @@ class Method:
         self.spec, self.name = spec, spec.name
         self.drafter = None
         if spec.kind == "drafter":
-            self.drafter = load_drafter(spec.folder, spec.retrace_mode, dtype, device, draft_logits_dtype)
+            self.drafter = load_drafter(spec.folder, spec.retrace_mode, dtype, device, draft_logits_dtype,
+                                        spec.settings)
 
     @property
     def block_size(self) -> int:

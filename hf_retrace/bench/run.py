@@ -13,6 +13,7 @@ Methods (comma separated; `ar` is added first when missing, it is the reference)
     NAME=prompt_lookup:K  the same under another name, so one run can compare several K
     dflash=FOLDER         the drafter in FOLDER run with `retrace_mode="off"` (plain DFlash)
     NAME=FOLDER[:MODE]    the drafter in FOLDER, as saved or with `retrace_mode` MODE (off|overwrite|gated|corrected)
+    NAME=FOLDER[:MODE]:key=value:...   the same with decoding settings set, e.g. `speculation_policy=goodput`
 
 Prompt sets: `NAME[:COUNT]` with NAME a set of `hf_retrace.data.prompts.load_prompts` (chat prompts, evaluation seeds
 `>= 10000`), a `.jsonl` of `{"prompt"}`/`{"messages"}` records, or a `.jsonl` of `{"input_ids": [...]}` records
@@ -144,7 +145,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="fp32: exact lossless check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--methods", default="ar", help="ar,prompt_lookup[=K],NAME=prompt_lookup:K,dflash=FOLDER,NAME=FOLDER[:MODE]"
+        "--methods", default="ar",
+        help="ar,prompt_lookup[=K],NAME=prompt_lookup:K,dflash=FOLDER,NAME=FOLDER[:MODE][:key=value...]",
     )
     parser.add_argument("--prompt-sets", default="gsm_symbolic:20", help="NAME[:COUNT],... (see module doc)")
     parser.add_argument("--prompt-seed", type=int, default=EVAL_SEED_OFFSET, help="evaluation seeds start at 10000")
