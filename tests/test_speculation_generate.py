@@ -6,6 +6,7 @@ file measured for another host is re-measured."""
 import json
 
 import pytest
+import torch
 
 from conftest import make_drafter, make_target, random_prompt
 from hf_retrace import retrace_generate
@@ -125,3 +126,33 @@ def test_a_new_call_finishes_the_previous_request_in_the_online_datastore():
     _greedy(target, random_prompt(6, seed=4), assistant_model=drafter)
     assert store.num_requests == 1 and store.num_responses == 1
     assert "speculation_state" not in drafter.state_dict()
+
+
+@pytest.mark.slow
+def test_goodput_sampling_keeps_target_distribution():
+    """`tests/test_sampling.py`'s check with goodput choosing the verified drafts from the drafter's confidences,
+    some steps verifying none: the sampled tokens keep the target's marginals."""
+    from test_sampling import PROMPT, SAMPLES, VOCAB, _exact_marginals, _tv
+
+    target = make_target("qwen3", restricted=False, vocab_size=VOCAB, seed=4)
+    with torch.no_grad():  # peaked distributions, so target and drafter clearly differ
+        target.get_output_embeddings().weight.mul_(8.0)
+    drafter = make_drafter(target, block_size=4, mode="corrected")
+    drafter.generation_config.speculation_policy = "goodput"
+    speculation_state(drafter).cost_model = StepCostModel.fit([(1, 0.010), (2, 0.013), (4, 0.019)], [(4, 0.001)],
+                                                              alpha=0.0)  # fmt: skip
+    exact = _exact_marginals(target)
+    torch.manual_seed(0)
+    counts = torch.zeros(3, VOCAB)  # tokens 2, 3 and 4
+    accepted = empty = 0
+    for _ in range(SAMPLES):
+        out = target.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                              max_new_tokens=4, assistant_model=drafter, pad_token_id=0)  # fmt: skip
+        for k in range(3):
+            counts[k, out[0, -3 + k]] += 1
+        stats = drafter.last_generation_stats
+        accepted += sum(n > 1 for n in stats.acceptance_lengths)
+        empty += stats.num_empty_steps
+    for k in range(3):
+        assert _tv(counts[k] / SAMPLES, exact[k]) < 0.07, f"token {k + 2}"
+    assert empty > 0 and accepted > SAMPLES // 10, (empty, accepted)  # plain steps and accepted drafts both ran
