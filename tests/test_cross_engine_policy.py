@@ -1,5 +1,5 @@
 """Both engines propose the same tokens from the same committed tokens: the transformers generator's entry point
-(`ReTraceCandidateGenerator._propose_from_sources`, on torch ids) and the vLLM plugin's (`policy.lookup` over the
+(the shared `SpeculationPolicy.plan` under `"fixed"`, on the ids as the generator hands them) and the vLLM plugin's (`policy.lookup` over the
 folder `hf-retrace export --format vllm` writes, its datastore read back from `datastore.safetensors`), on random
 token streams, with hash collisions forced and responses short enough that most n-grams meet a separator."""
 
@@ -15,8 +15,8 @@ import torch
 from conftest import make_drafter, make_target
 from hf_retrace.export.vllm import export_for_vllm
 from hf_retrace.models import lookup_retrace
-from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator
 from hf_retrace.models.sources_retrace import candidate_sources
+from hf_retrace.models.speculation_retrace import SpeculationPolicy
 from test_sources_retrace import plugin_module
 
 
@@ -30,11 +30,11 @@ POLICIES = [
 ]
 
 
-def _transformers_proposal(sources, tokens: list[int], room: int):
-    """The generator's own method on a stand-in `self`: `(source name, proposed tokens)` or `None`."""
-    generator = types.SimpleNamespace(sources=sources, main_model_max_length=len(tokens) + 1 + room)
-    found = ReTraceCandidateGenerator._propose_from_sources(generator, torch.tensor([tokens]))
-    return None if found is None else (found[0].name, found[1][0, len(tokens) :].tolist())
+def _transformers_proposal(settings, sources, tokens: list[int], room: int):
+    """What the generator's policy plans for a cycle: `(source name, proposed tokens)`, or `None` (the drafter)."""
+    policy = SpeculationPolicy(settings, sources, block_size=8)
+    action = policy.plan([(0, torch.tensor([tokens])[0].numpy(), room)]).action(0)
+    return None if action[0] == "draft" else (action[2], action[1])
 
 
 def _plugin_proposal(policy, sources, tokens: list[int], room: int):
@@ -64,7 +64,8 @@ def _check_policy(tmp_path, lookup_settings, datastore_settings, vocab, longest,
     policy = plugin_module("policy")
     draft_policy = policy.DraftPolicy.from_hf_config(types.SimpleNamespace(**exported))
     plugin_sources = policy.policy_sources(draft_policy, out, exported["vocab_size"])
-    transformers_sources = candidate_sources(drafter.decoding_settings(), drafter)
+    settings = drafter.decoding_settings()
+    transformers_sources = candidate_sources(settings, drafter)
     kinds = {"prompt_lookup": 0, "datastore": 0, None: 0}
     for _ in range(cases):
         if rng.random() < 0.5:  # a stretch of a response: the datastore has its continuation
@@ -73,7 +74,7 @@ def _check_policy(tmp_path, lookup_settings, datastore_settings, vocab, longest,
         else:
             tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
         room = rng.randrange(1, 7)
-        got = _transformers_proposal(transformers_sources, tokens, room)
+        got = _transformers_proposal(settings, transformers_sources, tokens, room)
         assert got == _plugin_proposal(policy, plugin_sources, tokens, room), (tokens, room)
         kinds[None if got is None else got[0]] += 1
     return kinds

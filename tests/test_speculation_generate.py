@@ -1,5 +1,5 @@
-"""The cost-aware policy in transformers' path (`speculation_policy="goodput"`): greedy output is the target's token for
-token across several `generate` calls of one drafter, whether rows are cheap (many tokens verified) or dear (plain
+"""The cost-aware policy in transformers' path (`speculation_policy="goodput"`): greedy output is the target's token
+for token across several `generate` calls of one drafter, whether rows are cheap (many tokens verified) or dear (plain
 target steps); the online datastore learns across calls; the step costs come from the per-host cache, and a cache
 file measured for another host is re-measured."""
 

@@ -117,7 +117,8 @@ def _config_digest(config) -> str:
 
 def transformers_host_key(target, drafter) -> HostKey:
     """The cache key of a target and drafter pair on this host (eager transformers, this thread count)."""
-    target_id = f"{getattr(target.config, '_name_or_path', '') or type(target).__name__}:{_config_digest(target.config)}"
+    name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+    target_id = f"{name}:{_config_digest(target.config)}"
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     return host_key("transformers", target_id, dtype, torch.get_num_threads(), compiled=False,
                     extra=f"drafter:{_config_digest(drafter.config)}")  # fmt: skip

@@ -2,7 +2,8 @@
 # Copyright 2026 the hf_retrace authors. Apache-2.0.
 #
 # Shared policy file: imports numpy, the standard library and `.lookup_retrace`, `.acceptance_retrace`,
-# `.goodput_retrace`, `.online_datastore_retrace` only. It is a Hub file and the vLLM plugin's copy (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
+# `.goodput_retrace`, `.online_datastore_retrace` only. It is a Hub file and the vLLM plugin's copy
+# (`integrations/vllm/hf_retrace_vllm/shared/`, kept identical by `utils/check_copies.py`).
 """Candidate sources: cheap proposals tried before the drafter, in priority order, one class each.
 
 Each cycle an engine asks its sources in turn (prompt lookup, then the datastore); the first that proposes anything
@@ -229,7 +230,8 @@ class OnlineDatastoreSource(CandidateSource):
         found = self._walk(tokens, max_tokens, request_id)
         if not found.tokens:
             return None
-        return Proposal(self.name, found.tokens, ProposalFeatures.continuation(found.match_length, found.probabilities))
+        features = ProposalFeatures.continuation(found.match_length, found.probabilities)
+        return Proposal(self.name, found.tokens, features)
 
     def start(self, request_id, prompt_tokens) -> None:
         self.store.start(request_id, prompt_tokens)
