@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 VLLM_EXTRA = "vllm-0.32"
 SAVE_EVERY = 500  # refreshes between saves of the cache file
 IDLE_FACTOR = 5.0  # a step this many times slower than predicted is idle time, not cost
-WARM_STEPS = 4  # observed steps whose median scales the prior to this host
+WARM_STEPS = 4  # observed decode steps whose median scales the prior to this host
+DECODE_ROWS = 4  # a step with more rows a request than this is taken for a prefill while the prior is scaled
 # The prior's shape, relative to a one-row target step: ~19.2 ms for 1 row and ~38.8 ms for 8 on the development
 # host (vLLM compiled, SmolLM2-135M, 2 cores), so a row costs ~0.146 of a one-row step; a drafter block of 16 slots
 # ~0.35 of it, and 8 blocks about as much as the 8-row target step.
@@ -146,6 +147,8 @@ class EngineCosts:
         target_s, drafter_s = costs
         rows, slots = record.rows, record.drafter_slots
         if self.source == "prior":
+            if rows > DECODE_ROWS * record.requests:  # a prefill (and the engine's first, cold steps): not its scale
+                return False
             return self._warm_up(rows, slots, target_s, drafter_s)
         if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
             self.skipped += 1
