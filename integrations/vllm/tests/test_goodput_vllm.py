@@ -65,7 +65,9 @@ def test_bound_threads_reads_vllm_bind_lists():
 
 CHEAP = StepCostModel(CostCurve([1, 4096], [0.02, 0.02]), CostCurve([16, 4096], [1e-6, 1e-5]))
 # each row costs 100x the step without it (up to the 6 rows these tests run with): no token ever pays
-EXPENSIVE = StepCostModel(CostCurve(range(1, 7), [0.02 * 100.0**r for r in range(6)]), CostCurve([16, 4096], [100, 1e5]))
+EXPENSIVE = StepCostModel(
+    CostCurve(range(1, 7), [0.02 * 100.0**r for r in range(6)]), CostCurve([16, 4096], [100.0, 1e5])
+)
 
 
 @pytest.fixture(scope="module")
