@@ -125,7 +125,7 @@ def transformers_host_key(target, drafter) -> HostKey:
 
 
 @torch.no_grad()
-def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int = 3) -> StepCostModel:
+def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int = 5) -> StepCostModel:
     """Profiles `t(R)` (the target verifying `R` rows after a short cached context) and `d(B)` (one drafter block and
     its draft lm head `head`) on this host.
 
@@ -158,7 +158,12 @@ def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int 
         head(out.last_hidden_state[:, 1:].to(head.weight.device))
 
     sizes = [r for r in TARGET_ROWS if r <= max(block_size, 2)]
-    model = StepCostModel.fit(measure(target_step, sizes, repeats), measure(drafter_block, [block_size], repeats))
+    target_samples, drafter_samples = [], []
+    for _ in range(repeats + 1):  # the first round warms up; rounds, not sizes, outside: a load spike hits all sizes
+        target_samples += measure(target_step, sizes, repeats=1, warmup=0)
+        drafter_samples += measure(drafter_block, [block_size], repeats=1, warmup=0)
+    warm = len(sizes)
+    model = StepCostModel.fit(target_samples[warm:], drafter_samples[1:])
     logger.info("profiled step costs in %.2f s: t(R) at %s = %s ms, d(%d) = %.2f ms", time.perf_counter() - start,
                 sizes, [round(float(model.target_seconds(r)) * 1e3, 2) for r in sizes], block_size,
                 float(model.drafter_seconds(block_size)) * 1e3)  # fmt: skip
