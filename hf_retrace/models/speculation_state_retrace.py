@@ -125,7 +125,7 @@ def transformers_host_key(target, drafter) -> HostKey:
 
 
 @torch.no_grad()
-def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int = 5) -> StepCostModel:
+def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int = 3) -> StepCostModel:
     """Profiles `t(R)` (the target verifying `R` rows after a short cached context) and `d(B)` (one drafter block and
     its draft lm head `head`) on this host.
 
