@@ -67,7 +67,7 @@ def _record_cycles(monkeypatch):
     def recording(self, input_ids, *args, **kwargs):
         candidate_ids, logits = original(self, input_ids, *args, **kwargs)
         if self._drafted or self._cycle_source is not None:
-            kind = "draft" if self._drafted else {"prompt_lookup": "lookup"}[self._cycle_source.name]
+            kind = "draft" if self._drafted else {"prompt_lookup": "lookup"}[self._cycle_source]
             cycles.append((input_ids.shape[1], kind, candidate_ids[0, input_ids.shape[1] :].tolist()))
         return candidate_ids, logits
 

@@ -20,7 +20,8 @@ BLOCK = {
     "anchor_broadcast": False, "retrace_mode": "corrected", "num_assistant_tokens": 3,
     "assistant_confidence_threshold": None, "prompt_lookup_num_tokens": 3, "prompt_lookup_max_ngram_size": 3,
     "prompt_lookup_min_ngram_size": 2, "datastore_num_tokens": None, "datastore_max_ngram_size": 6,
-    "datastore_min_ngram_size": 3, "datastore_file": None, "source_commit": None,
+    "datastore_min_ngram_size": 3, "datastore_file": None, "speculation_policy": "fixed",
+    "online_datastore_num_tokens": None, "online_datastore_max_bytes": 33554432, "source_commit": None,
 }  # fmt: skip  (what `hf-retrace export --format vllm` writes)
 
 
