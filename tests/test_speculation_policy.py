@@ -21,9 +21,10 @@ def _costs(row_ms: float, drafter_ms: float = 2.0, base_ms: float = 20.0) -> Ste
     return StepCostModel.fit(rows, [(BLOCK, drafter_ms / 1e3)], alpha=0.0)
 
 
-def _policy(kind: str, cost_model=None, **values) -> SpeculationPolicy:
+def _policy(kind: str, cost_model=None, explore_every: int = 32, **values) -> SpeculationPolicy:
     settings = resolve_settings({"speculation_policy": kind, **values}, BLOCK)
-    return SpeculationPolicy(settings, candidate_sources(settings, None), BLOCK, cost_model)
+    return SpeculationPolicy(settings, candidate_sources(settings, None), BLOCK, cost_model,
+                             explore_every=explore_every)  # fmt: skip
 
 
 def test_fixed_is_the_first_proposing_source_then_the_drafter_with_the_confidence_stop():
@@ -80,6 +81,37 @@ def test_outcomes_teach_the_estimator_and_step_times_refresh_the_costs():
     t4 = float(costs.target_seconds(4))
     policy.step_time(4, BLOCK, target_seconds=2 * t4, drafter_seconds=0.001)
     assert float(costs.target_seconds(4)) > t4
+
+
+def test_goodput_explores_a_drafter_it_stopped_running_and_recovers_from_a_bad_profile():
+    """A profile taken under a load spike says the drafter costs 40 ms; it really costs 1 ms. Without exploration
+    the drafter would never run again, so neither its cost nor its acceptance would ever be observed."""
+    costs = _costs(row_ms=1.0, drafter_ms=40.0)
+    costs.alpha = 0.05
+    policy = _policy("goodput", costs, explore_every=8)
+    ran = []
+    for step in range(64):
+        plan = policy.plan([("a", np.array([1, 2, 3]), 10), ("b", np.array([4, 5, 6]), 10)])
+        ran.append(bool(plan.drafting))
+        counts = {}
+        if plan.drafting:
+            counts = policy.num_drafts(plan, {rid: np.full(BLOCK - 1, 0.95) for rid in plan.drafting})
+            assert all(k >= 1 for k in counts.values())  # an exploring block verifies a draft
+            for rid, k in counts.items():
+                policy.outcome(rid, k)  # every draft accepted
+        rows = 2 + sum(counts.values())
+        policy.step_time(rows, BLOCK * len(plan.drafting), 0.02 + 0.001 * rows, 0.001 if plan.drafting else None)
+    assert ran[:7] == [False] * 7 and ran[7], ran  # the first exploring run, after 8 steps without the drafter
+    assert all(ran[-16:]), ran  # the costs and the acceptance it saw made drafting pay: it drafts every step
+    assert float(costs.drafter_seconds(2 * BLOCK)) < 0.02  # the profile said 80 ms for two blocks
+
+
+def test_exploration_is_bounded_and_rejects_bad_values():
+    policy = _policy("goodput", _costs(row_ms=200.0, drafter_ms=50.0), explore_every=4)
+    runs = sum(bool(policy.plan([("a", np.array([1, 2, 3]), 10)]).drafting) for _ in range(40))
+    assert runs == 10  # one exploring drafter run per 4 steps, however dear
+    with pytest.raises(ValueError, match="explore_every"):
+        _policy("goodput", _costs(row_ms=1.0), explore_every=0)
 
 
 def _drafts(k: int):

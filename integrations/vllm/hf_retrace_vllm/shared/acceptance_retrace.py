@@ -197,6 +197,12 @@ class AcceptanceEstimator:
             self._learn("drafter_slots", [min(j, self.max_positions - 1) for j in range(len(cells))], num_accepted,
                         request_id)  # fmt: skip
 
+    def futile_block(self, request_id=None) -> None:
+        """Learns from a drafter block of which no draft was worth verifying: nothing was judged, so the confidence
+        table learns nothing, but the per-slot estimate that decides whether the drafter runs (before its
+        confidences exist) counts it as a first draft lost, so futile blocks stop being planned."""
+        self._learn("drafter_slots", [0], 0, request_id)
+
     def _learn(self, table: str, cells: list[int], num_accepted: int, request_id) -> None:
         """Adds the outcomes to the global cells and to the request's observed / predicted history (predicted by
         the global estimate before this update, so the ratio measures how this request differs from the average)."""

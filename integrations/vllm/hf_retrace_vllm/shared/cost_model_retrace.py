@@ -67,6 +67,7 @@ class CostCurve:
         if not np.all(np.isfinite(self.seconds)) or np.any(self.seconds < 0):
             raise ValueError(f"cost curve seconds must be finite and >= 0, got {self.seconds.tolist()}")
         self.seconds = np.maximum.accumulate(self.seconds)
+        self._observed = np.zeros(self.sizes.size)  # online observations per knot (interpolation weights summed)
 
     @classmethod
     def fit(cls, samples) -> "CostCurve":
@@ -89,25 +90,37 @@ class CostCurve:
 
     def observe(self, size: float, seconds: float, alpha: float, max_change: float) -> None:
         """Moves the knots around `size` toward one observed time (an exponentially weighted average per knot,
-        weighted by the interpolation weights); the residual is clipped to `max_change` x the prediction, so a stalled
-        step moves the curve by a bounded amount. A size past the ends becomes a new knot."""
+        weighted by the interpolation weights); a slower step counts as at most `1 + max_change` x the prediction, so
+        a stalled step moves the curve by a bounded amount (a faster one is believed: nothing speeds a step up). A size past the ends becomes a new knot.
+
+        A knot's first observations weigh more than `alpha`: `1 / (n + 4)` for its `n`-th (the profile counts as 3),
+        until that falls to `alpha`. A profile taken during a load spike, or a size first seen long after start
+        (the drafter, when the policy rarely runs it), is corrected within a few steps. `alpha = 0` freezes it."""
         predicted = self(size)
-        residual = float(np.clip(seconds - predicted, -max_change * predicted, max_change * predicted))
+        # only upward: interference (another process, a page fault) slows a step down, nothing makes it faster
+        residual = min(float(seconds - predicted), max_change * predicted)
         if size < self.sizes[0] or size > self.sizes[-1]:
-            self._insert(size, predicted + alpha * residual)
+            self._insert(size, predicted + self._weight(0.0, alpha) * residual)
             return
         right = int(np.searchsorted(self.sizes, size))  # sizes[right - 1] < size <= sizes[right]
         left = max(right - 1, 0)
         share = 1.0  # of the update the right knot gets: its interpolation weight
         if self.sizes[right] != size:
             share = (size - self.sizes[left]) / (self.sizes[right] - self.sizes[left])
-        self.seconds[right] += alpha * share * residual
-        self.seconds[left] += alpha * (1.0 - share) * residual
+        self.seconds[right] += self._weight(self._observed[right], alpha) * share * residual
+        self.seconds[left] += self._weight(self._observed[left], alpha) * (1.0 - share) * residual
+        self._observed[right] += share
+        self._observed[left] += 1.0 - share
         self.seconds = _isotonic(np.maximum(self.seconds, 0.0), np.ones_like(self.seconds))
+
+    @staticmethod
+    def _weight(observed: float, alpha: float) -> float:
+        return 0.0 if alpha <= 0 else max(alpha, 1.0 / (observed + 4.0))
 
     def _insert(self, size: float, seconds: float) -> None:
         at = int(np.searchsorted(self.sizes, size))
         self.sizes = np.insert(self.sizes, at, float(size))
+        self._observed = np.insert(self._observed, at, 1.0)
         self.seconds = _isotonic(np.maximum(np.insert(self.seconds, at, seconds), 0.0), np.ones(self.sizes.size))
 
     def to_list(self) -> list[list[float]]:
@@ -184,9 +197,11 @@ class StepCostModel:
     Args:
         target (`CostCurve`): `t(R)`.
         drafter (`CostCurve`): `d(S)`; `d(0) = 0` (no drafter forward).
-        alpha (`float`, *optional*, defaults to 0.05): weight of one observed step in the online refresh.
-        max_change (`float`, *optional*, defaults to 0.5): an observation moves a knot by at most this fraction of
-            the prediction (times `alpha`), so an outlier (a page fault, another process) cannot wreck the curve.
+        alpha (`float`, *optional*, defaults to 0.05): weight of one observed step in the online refresh, once a
+            knot has seen `1 / alpha - 4` of them (earlier ones weigh more, see [`CostCurve.observe`]); 0 freezes it.
+        max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
+            fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
+            wreck the curve.
 
     Example:
     ```python

@@ -76,11 +76,18 @@ class SpeculationPolicy:
         cost_model ([`StepCostModel`], *optional*): `t(R)` and `d(S)`; required under `"goodput"`.
         estimator ([`AcceptanceEstimator`], *optional*): a fresh one by default; pass one to keep what it learned.
         max_rows (`int`, *optional*): the engine's cap on target rows in a step.
+        explore_every (`int`, *optional*, defaults to 32): under `"goodput"`, a request the plan left without drafts
+            for this many steps drafts (and verifies at least one draft) when the drafter runs anyway, and the
+            drafter runs after this many steps without it. Without it, a pessimistic estimate or a step-cost profile
+            taken under load would never be corrected: a drafter that never runs is never observed. It costs at
+            most one drafter forward per `explore_every` steps.
     """
 
     def __init__(self, settings, sources: list[CandidateSource], block_size: int,
                  cost_model: StepCostModel | None = None, estimator: AcceptanceEstimator | None = None,
-                 max_rows: int | None = None):  # fmt: skip
+                 max_rows: int | None = None, explore_every: int = 32):  # fmt: skip
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1 (steps between exploring drafter runs), got {explore_every}")
         self.kind = settings.speculation_policy
         if self.kind == "goodput" and cost_model is None:
             raise ValueError('speculation_policy="goodput" needs a step-cost model (cost_model_retrace.StepCostModel)')
@@ -92,6 +99,9 @@ class SpeculationPolicy:
         # the most tokens any request may verify: the drafter's cap or a source's
         self.max_verified = max([self.num_assistant_tokens] + [s.num_tokens for s in self.sources])
         self._pending: dict = {}  # request_id -> (estimator source, ProposalFeatures of the verified tokens)
+        # exploration (goodput): steps since the drafter last ran, for the engine and per request
+        self.explore_every = int(explore_every)
+        self._steps_without_drafter, self._since_draft, self._exploring = 0, {}, set()
         self.last_step: StepPlan | None = None  # the last final plan (goodput), its prediction beside the measure
 
     # -- one step ---------------------------------------------------------------------------------------------------
@@ -115,8 +125,25 @@ class SpeculationPolicy:
                 self._pending[rid] = (planned.proposal.source, _head(planned.proposal.features, planned.num_verified))
             else:
                 plan.actions[rid] = ("none",)
+        self._explore(plan, step_requests)
         self.last_step = step
         return plan
+
+    def _explore(self, plan: SpeculationPlan, step_requests: list[StepRequest]) -> None:
+        """Adds exploring drafts to a goodput plan (see `explore_every`). Depends on step counts only, never on
+        sampled tokens, so sampling stays exact."""
+        drafter_runs = bool(plan.drafting)
+        self._steps_without_drafter = 0 if drafter_runs else self._steps_without_drafter + 1
+        force = self._steps_without_drafter >= self.explore_every
+        for request in step_requests:
+            rid, since = request.request_id, self._since_draft.get(request.request_id, 0)
+            if plan.actions[rid][0] == "none" and request.can_draft and (force or drafter_runs) and (
+                    force or since + 1 >= self.explore_every):  # fmt: skip
+                plan.actions[rid] = ("draft", min(self.num_assistant_tokens, request.max_tokens))
+                self._exploring.add(rid)
+            self._since_draft[rid] = 0 if plan.actions[rid][0] == "draft" else since + 1
+        if force:
+            self._steps_without_drafter = 0
 
     def _fixed_action(self, rid, tokens: np.ndarray, max_tokens: int) -> tuple:
         if max_tokens <= 0:
@@ -159,13 +186,13 @@ class SpeculationPolicy:
             self.last_step = final
             by_id = {r.request_id: r.num_verified for r in final.requests if r.source == DRAFTER}
             counts = {rid: int(by_id.get(rid, 0)) for rid in capped}
+            for rid in self._exploring & counts.keys():  # an exploring block verifies a draft: one real outcome
+                counts[rid] = max(counts[rid], min(1, capped[rid].size))
+        self._exploring = set()
         for rid, k in counts.items():
             self._pending[rid] = ("drafter", ProposalFeatures.drafter(capped[rid][:k]))
             if k == 0 and capped[rid].size and self.kind == "goodput":
-                # a block with no draft worth verifying teaches the confidence table nothing (nothing was judged),
-                # but the drafter ran for nothing: the estimate that decides whether it runs (per slot, before its
-                # confidences exist) counts it as a first draft lost, so futile blocks stop being planned
-                self.estimator._learn("drafter_slots", [0], 0, rid)
+                self.estimator.futile_block(rid)
         return counts
 
     def _confidence_stop(self, probabilities: np.ndarray) -> int:
@@ -209,6 +236,7 @@ class SpeculationPolicy:
             source.finish(request_id)
         self.estimator.forget(request_id)
         self._pending.pop(request_id, None)
+        self._since_draft.pop(request_id, None)
 
 
 def _head(features: ProposalFeatures, k: int) -> ProposalFeatures:
