@@ -19,6 +19,9 @@ Methods (`--methods`, comma separated; default all):
     vllm_dflash[=CARD]    vLLM `dflash` with the hf-retrace plugin, CARD exported by `hf-retrace export --format vllm`
     vllm_retrace[=CARD]   the same for the ReTrace card (default model_cards/smollm2-135m-retrace)
 
+The drafter methods take decoding settings after the card, written into a copy of its generation_config.json:
+`vllm_retrace:speculation_policy=fixed` (named `vllm_retrace_fixed`), `hf_drafter=CARD:online_datastore_num_tokens=8`.
+
 Every method needs its engine's target-alone method (`hf_ar`, `vllm_ar`), added when missing: greedy outputs are
 checked against it token for token (same engine, mode and concurrency, per prompt), and speedups are over it. A
 method whose pieces are missing (the export, the plugin, a worker that fails to start) is skipped with a line why.
@@ -65,7 +68,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from serving_engines import HfEngine, VllmWorker, export_card, plugin_available, vllm_available, vllm_preload_env
+from serving_engines import (
+    HfEngine, VllmWorker, card_with_settings, export_card, plugin_available, vllm_available, vllm_preload_env,
+)  # fmt: skip
 from serving_methods import (
     ALL_METHODS, GROUPS, PromptPlan, chunk_rounds, concurrent_batches, encode_prompts, parse_concurrency,
     parse_methods, parse_modes, rotated,
@@ -328,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    for spec in (s for s in args.specs if s.settings):  # the card with its settings, under the method's name
+        spec.card = card_with_settings(spec.card, spec.settings, output_dir / "cards" / spec.name)
     vllm_specs, configs = prepare_vllm(args.specs, args, skipped)
     preload_env, preloads = vllm_preload_env(disabled=args.no_preload)
     hf_specs = [s for s in args.specs if s.engine == "hf"]

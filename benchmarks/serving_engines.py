@@ -150,6 +150,19 @@ def plugin_available() -> str | None:
     return None
 
 
+def card_with_settings(card: str, settings: dict, folder: Path) -> str:
+    """A copy of `card` in `folder` whose `generation_config.json` has `settings` set (the weights and the datastore
+    linked, not copied); both engines then load it as any card. Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in Path(card).iterdir():
+        target = folder / source.name
+        if source.name == "generation_config.json":
+            target.write_text(json.dumps(json.loads(source.read_text()) | settings, indent=2) + "\n")
+        elif source.is_file() and not target.exists():
+            target.symlink_to(source.resolve())
+    return str(folder)
+
+
 def export_card(card: str, output: Path) -> str | None:
     """Exports `card` for vLLM into `output` (`hf-retrace export --format vllm`); None on success, else why not."""
     if not Path(card, "config.json").is_file():
@@ -169,7 +182,7 @@ def continuation_nll(model, prompt_ids: list[int], continuation_ids: list[int], 
     """The target's negative log-likelihood of a sampled continuation at the sampling temperature, summed over its
     tokens: `-sum_t log softmax(logits_t / temperature)[x_t]`, logits_t from one forward over prompt + continuation.
     An exact speculative sampler draws from the same distribution as plain sampling, so its mean per token matches
-    plain sampling's within noise; a corrupted one (issue: drafts accepted against the wrong distribution) does not.
+    plain sampling's within noise; a corrupted one (drafts accepted against the wrong distribution) does not.
 
     Args:
         model (`PreTrainedModel`): the target, a causal LM.

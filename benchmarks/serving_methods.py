@@ -4,7 +4,7 @@ Pure, stdlib only (the prompt encoding imports hf_retrace lazily), so the tests 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 CARDS = {"dflash": "model_cards/smollm2-135m-dflash", "retrace": "model_cards/smollm2-135m-retrace"}
@@ -18,13 +18,15 @@ DEFAULT_NGRAM_TOKENS = 3
 @dataclass
 class MethodSpec:
     """One `--methods` entry: `engine` is `hf` or `vllm`, `kind` one of ar, drafter, ngram, suffix, dflash;
-    `num_speculative_tokens=None` keeps vLLM's default for the method (suffix: its tree depth, 24)."""
+    `num_speculative_tokens=None` keeps vLLM's default for the method (suffix: its tree depth, 24); `settings` are
+    decoding settings written into a copy of the card's `generation_config.json` (drafter cards only)."""
 
     name: str
     engine: str
     kind: str
     card: str | None = None
     num_speculative_tokens: int | None = None
+    settings: dict = field(default_factory=dict)
 
     def speculative_config(self, export_dir: str | None = None) -> dict | None:
         """vLLM's `speculative_config` for this method (None: target alone)."""
@@ -44,15 +46,44 @@ def _parse_k(name: str, value: str, item: str) -> int:
     return int(value)
 
 
+def _setting_value(text: str):
+    """`None`, an int, a float, else the text."""
+    if text == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_settings(item: str) -> tuple[str, dict]:
+    """`METHOD[=VALUE]:key=value:...` -> `(METHOD[=VALUE], {key: value})`."""
+    head, *pairs = item.split(":")
+    settings = {}
+    for pair in pairs:
+        key, has_value, text = pair.partition("=")
+        if not (key and has_value and text):
+            raise ValueError(f"expected :key=value decoding settings after the method in {item!r}, got {pair!r}")
+        settings[key] = _setting_value(text)
+    return head, settings
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
     """`hf_ar,hf_drafter[=CARD],vllm_ar,vllm_ngram[=K],vllm_suffix[=K],vllm_dflash[=CARD],vllm_retrace[=CARD]`.
 
     `vllm_suffix=8` is named `vllm_suffix8` (so vLLM's defaults and 8 tokens can run side by side), likewise
-    `vllm_ngram=K`; each engine's target-alone method is prepended when that engine is used without it.
+    `vllm_ngram=K`; each engine's target-alone method is prepended when that engine is used without it. The drafter
+    methods take decoding settings after the card, `vllm_retrace:speculation_policy=fixed`, and are then named with
+    their values appended (`vllm_retrace_fixed`); `num_speculative_tokens=K` there sets vLLM's K (default 3).
     """
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
+        item, settings = split_settings(item)
         name, has_value, value = item.partition("=")
+        if settings and name not in ("hf_drafter", "vllm_dflash", "vllm_retrace"):
+            raise ValueError(f"only drafter methods take :key=value settings, got {item!r} with {settings}")
         if has_value and not value:
             raise ValueError(f"method {item!r} has an empty value after '='; drop the '=' or give a value")
         if name in ("hf_ar", "vllm_ar") and not has_value:
@@ -70,6 +101,12 @@ def parse_methods(text: str) -> list[MethodSpec]:
             specs.append(MethodSpec(name, "vllm", "dflash", card=card, num_speculative_tokens=3))
         else:
             raise ValueError(f"unknown method {item!r}; expected one of {ALL_METHODS} (with =CARD or =K where shown)")
+        if settings:
+            spec = specs[-1]
+            spec.name += "".join(f"_{value}" for value in settings.values())
+            if spec.engine == "vllm" and "num_speculative_tokens" in settings:  # vLLM's K, not the card's
+                spec.num_speculative_tokens = _parse_k(name, str(settings.pop("num_speculative_tokens")), item)
+            spec.settings = settings
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"method names must be unique, got {names}")

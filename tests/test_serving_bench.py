@@ -49,10 +49,29 @@ def test_default_methods_run_suffix_twice_and_every_reference():
     assert [s.name for s in methods.parse_methods("vllm_ngram=5")] == ["vllm_ar", "vllm_ngram5"]
 
 
+def test_drafter_methods_take_settings_into_a_copy_of_the_card(tmp_path):
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "generation_config.json").write_text(json.dumps({"num_assistant_tokens": 3}))
+    (card / "model.safetensors").write_bytes(b"weights")
+    text = "vllm_retrace=" + str(card) + ":speculation_policy=fixed:num_speculative_tokens=8,vllm_retrace"
+    fixed, default = methods.parse_methods(text)[1:]
+    assert (fixed.name, default.name) == ("vllm_retrace_fixed_8", "vllm_retrace")
+    assert fixed.settings == {"speculation_policy": "fixed"} and fixed.num_speculative_tokens == 8
+    assert default.settings == {} and default.num_speculative_tokens == 3
+    copy = Path(serving_engines.card_with_settings(fixed.card, fixed.settings, tmp_path / "cards" / fixed.name))
+    assert json.loads((copy / "generation_config.json").read_text()) == {"num_assistant_tokens": 3,
+                                                                         "speculation_policy": "fixed"}  # fmt: skip
+    assert (copy / "model.safetensors").read_bytes() == b"weights"
+    hf = methods.parse_methods("hf_drafter:online_datastore_num_tokens=8")[1]
+    assert hf.name == "hf_drafter_8" and hf.settings == {"online_datastore_num_tokens": 8}
+
+
 @pytest.mark.parametrize(
     "text, match",
     [("vllm_eagle", "unknown method"), ("vllm_ngram=0", "K >= 1"), ("vllm_suffix=x", "K >= 1"),
-     ("hf_ar,hf_ar", "unique"), ("hf_drafter=", "empty value")],
+     ("hf_ar,hf_ar", "unique"), ("hf_drafter=", "empty value"), ("vllm_ngram:x=1", "only drafter methods"),
+     ("vllm_retrace:policy", "key=value")],
 )  # fmt: skip
 def test_parse_methods_rejects_bad_input(text, match):
     with pytest.raises(ValueError, match=match):
