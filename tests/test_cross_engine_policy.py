@@ -1,6 +1,6 @@
 """Both engines propose the same tokens from the same committed tokens: the transformers generator's entry point
-(the shared `SpeculationPolicy.plan` under `"fixed"`, on the ids as the generator hands them) and the vLLM plugin's (`policy.lookup` over the
-folder `hf-retrace export --format vllm` writes, its datastore read back from `datastore.safetensors`), on random
+(the shared `SpeculationPolicy.plan` under `"fixed"`, on the ids as the generator hands them) and the vLLM
+plugin's (`policy.lookup` over the folder `hf-retrace export --format vllm` writes, its datastore read back from `datastore.safetensors`), on random
 token streams, with hash collisions forced and responses short enough that most n-grams meet a separator."""
 
 import itertools

@@ -160,7 +160,8 @@ def test_decoding_policy_block(tmp_path, target):
         "assistant_confidence_threshold": 0.5, "prompt_lookup_num_tokens": 3, "prompt_lookup_max_ngram_size": 4,
         "prompt_lookup_min_ngram_size": 2, "datastore_num_tokens": None, "datastore_max_ngram_size": 6,
         "datastore_min_ngram_size": 3, "datastore_file": None, "speculation_policy": "fixed",
-        "online_datastore_num_tokens": None, "online_datastore_max_bytes": 33554432, "source_commit": config["hf_retrace"]["source_commit"],
+        "online_datastore_num_tokens": None, "online_datastore_max_bytes": 33554432,
+        "source_commit": config["hf_retrace"]["source_commit"],
     }  # fmt: skip
     commit = config["hf_retrace"]["source_commit"]
     assert commit is None or len(commit) == 40

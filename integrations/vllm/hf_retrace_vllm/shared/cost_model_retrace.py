@@ -91,7 +91,8 @@ class CostCurve:
     def observe(self, size: float, seconds: float, alpha: float, max_change: float) -> None:
         """Moves the knots around `size` toward one observed time (an exponentially weighted average per knot,
         weighted by the interpolation weights); a slower step counts as at most `1 + max_change` x the prediction, so
-        a stalled step moves the curve by a bounded amount (a faster one is believed: nothing speeds a step up). A size past the ends becomes a new knot.
+        a stalled step moves the curve by a bounded amount (a faster one is believed: nothing speeds a step up). A
+        size past the ends becomes a new knot.
 
         A knot's first observations weigh more than `alpha`: `1 / (n + 4)` for its `n`-th (the profile counts as 3),
         until that falls to `alpha`. A profile taken during a load spike, or a size first seen long after start
