@@ -100,6 +100,19 @@ def test_cost_model_is_profiled_once_cached_and_refreshed(cost_cache):
     assert loaded.target.sizes.tolist()[:2] == [1.0, 2.0]
 
 
+def test_skinny_gemm_routing_changes_the_cost_key():
+    from hf_retrace.skinny_gemm import disable_skinny_gemm, enable_skinny_gemm
+
+    target = make_target("qwen3")
+    drafter = _goodput_drafter(target)
+    plain = transformers_host_key(target, drafter)
+    enable_skinny_gemm(target)  # another GEMM path: another cost curve, so another cache file
+    routed = transformers_host_key(target, drafter)
+    assert routed.digest() != plain.digest()
+    disable_skinny_gemm(target)
+    assert transformers_host_key(target, drafter).digest() == plain.digest()
+
+
 def test_a_cost_file_from_another_host_is_remeasured(cost_cache):
     target = make_target("qwen3")
     drafter = _goodput_drafter(target)

@@ -115,13 +115,20 @@ def _config_digest(config) -> str:
     return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
 
 
+def _rerouted_modules(model) -> int:
+    """Modules whose `forward` was replaced on the instance (skinny GEMM routing, accelerate hooks): they change what
+    a step costs, so a profile taken without them is not this model's."""
+    return sum("forward" in module.__dict__ for module in model.modules())
+
+
 def transformers_host_key(target, drafter) -> HostKey:
-    """The cache key of a target and drafter pair on this host (eager transformers, this thread count)."""
+    """The cache key of a target and drafter pair on this host (eager transformers, this thread count, the same
+    rerouted linears)."""
     name = getattr(target.config, "_name_or_path", "") or type(target).__name__
     target_id = f"{name}:{_config_digest(target.config)}"
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-    return host_key("transformers", target_id, dtype, torch.get_num_threads(), compiled=False,
-                    extra=f"drafter:{_config_digest(drafter.config)}")  # fmt: skip
+    extra = f"drafter:{_config_digest(drafter.config)}:rerouted:{_rerouted_modules(target)},{_rerouted_modules(drafter)}"
+    return host_key("transformers", target_id, dtype, torch.get_num_threads(), compiled=False, extra=extra)
 
 
 @torch.no_grad()
