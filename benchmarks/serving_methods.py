@@ -1,6 +1,7 @@
 """What `benchmarks/serving.py` runs: methods, modes, concurrencies, decodings and the prompts of each block.
 
-Pure, stdlib only (the prompt encoding imports hf_retrace lazily), so the tests load it without a model or vLLM.
+Pure, stdlib only (the settings parser and the prompt encoding import hf_retrace lazily), so the tests load it
+without a model or vLLM.
 """
 
 import math
@@ -46,27 +47,17 @@ def _parse_k(name: str, value: str, item: str) -> int:
     return int(value)
 
 
-def _setting_value(text: str):
-    """`None`, an int, a float, else the text."""
-    if text == "None":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def split_settings(item: str) -> tuple[str, dict]:
     """`METHOD[=VALUE]:key=value:...` -> `(METHOD[=VALUE], {key: value})`."""
+    from hf_retrace.bench.methods import setting_value  # the same values `hf-retrace bench` reads
+
     head, *pairs = item.split(":")
     settings = {}
     for pair in pairs:
         key, has_value, text = pair.partition("=")
         if not (key and has_value and text):
             raise ValueError(f"expected :key=value decoding settings after the method in {item!r}, got {pair!r}")
-        settings[key] = _setting_value(text)
+        settings[key] = setting_value(text)
     return head, settings
 
 

@@ -94,11 +94,12 @@ def split_settings(value: str) -> tuple[str, dict]:
     while ":" in value and "=" in value.rpartition(":")[2]:
         value, _, pair = value.rpartition(":")
         key, _, text = pair.partition("=")
-        settings[key] = _setting_value(text)
+        settings[key] = setting_value(text)
     return value, dict(reversed(settings.items()))
 
 
-def _setting_value(text: str):
+def setting_value(text: str):
+    """A decoding setting's value from text: `None`, an int, a float, else the text."""
     if text == "None":
         return None
     for kind in (int, float):
