@@ -155,6 +155,39 @@ def _timing_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _prediction_lines(rows: list[dict]) -> list[str]:
+    """Per pooled greedy goodput row: what the cost model and the acceptance estimates predicted per step beside what
+    the engine measured (the plugin's `PredictionLedger`)."""
+    picked = [r for r in _pick(rows) if (r["spec_decode_counters"] or {}).get("proposer_pred_steps")]
+    if not picked:
+        return []
+    lines = ["", "## Cost-aware policy: predicted beside measured (greedy, pooled)", "",
+             "Per step whose batch was the planned one: the target's part `t(R)` (ms), and the proposed tokens accepted "
+             "per request (committed tokens less the one each request commits anyway); per drafter forward: `d(S)` "
+             "of the slots the plan drafted for beside the forward's measured time.", "",
+             "| method | mode | C | steps | t(R) predicted ms | measured ms | accepted/request predicted | measured "
+             "| drafter forwards | d(S) predicted ms | measured ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in picked:
+        c = r["spec_decode_counters"]
+        steps, forwards = c["proposer_pred_steps"], c.get("proposer_pred_drafter_steps", 0)
+        requests = c.get("proposer_pred_requests", 0)
+
+        def per(key, n, scale=1000.0):
+            return _fmt(c.get(f"proposer_pred_{key}", 0) * scale / n if n else None, ".2f")
+
+        def accepted(key):
+            return _fmt((c.get(f"proposer_pred_{key}", 0) - requests) / requests if requests else None, ".3f")
+
+        lines.append(
+            f"| {r['method']} | {r['mode']} | {r['concurrency']} | {steps:.0f} | {per('target_predicted', steps)} "
+            f"| {per('target_measured', steps)} | {accepted('tokens_predicted')} | {accepted('tokens_committed')} "
+            f"| {_fmt(forwards or None, '.0f')} | {per('drafter_predicted', forwards)} "
+            f"| {per('drafter_measured', forwards)} |"
+        )
+    return lines
+
+
 def _proposer_lines(rows: list[dict]) -> list[str]:
     """Markdown lines: the hf-retrace plugin proposer's cycles / committed tokens by source, pooled rows only."""
     picked = [r for r in _pick(rows) if "proposer_cycles_draft" in (r["spec_decode_counters"] or {})]
@@ -177,7 +210,7 @@ def render_markdown(rows: list[dict], run_info: dict, failures: list[dict], skip
     """The results tables (summary per mode, one table per mode and concurrency with groups and pooled rows, sampled
     beside greedy, step timing, the plugin's sources; prompt sets in results.json) as markdown."""
     lines = _header(run_info) + _summary_lines(rows) + _greedy_lines(rows) + _sampled_lines(rows)
-    lines += _timing_lines(rows) + _proposer_lines(rows)
+    lines += _timing_lines(rows) + _prediction_lines(rows) + _proposer_lines(rows)
     if skipped:
         lines += ["", "## Skipped", ""] + [f"- {line}" for line in skipped]
     if failures:

@@ -57,7 +57,8 @@ def read_proposer_stats() -> tuple[dict, dict]:
 
     Counters: cycles and committed tokens by source (`lookup`, `datastore`, `online_datastore`, `draft`) as `proposer_cycles_draft`, ...;
     when the proposer times its parts (stats fields `steps` and `timings`, name -> seconds in total),
-    `proposer_steps` and `proposer_s_<name>`. Gauges: `online_datastore_bytes` (peak) when written.
+    `proposer_steps` and `proposer_s_<name>`; under the goodput policy its predictions beside the measured steps
+    (stats field `prediction`) as `proposer_pred_<field>`. Gauges: `online_datastore_bytes` (peak) when written.
     """
     path = os.environ.get(PROPOSER_STATS_ENV)
     if not path or not os.path.isfile(path):
@@ -68,6 +69,7 @@ def read_proposer_stats() -> tuple[dict, dict]:
     if "steps" in stats:
         flat["proposer_steps"] = stats["steps"]
     flat |= {f"proposer_s_{name}": seconds for name, seconds in (stats.get("timings") or {}).items()}
+    flat |= {f"proposer_pred_{name}": value for name, value in (stats.get("prediction") or {}).items()}
     peak = stats.get("online_datastore_bytes")
     gauges = {} if peak is None else {"online_datastore_bytes": peak}
     return flat, gauges

@@ -87,6 +87,19 @@ def test_the_drafter_runs_only_for_requests_whose_lookup_is_worse():
     assert plan.drafting == [1] and plan.drafter_slots == 16
 
 
+def test_a_whole_batch_drafter_is_charged_for_the_whole_batch():
+    """vLLM's drafter forward runs for all 8 requests when one drafts: d(128), not d(16). One request may draft
+    (0.6 a draft), seven have nothing: the drafter pays for 16 slots, not for 128 at 0.25 ms a slot."""
+    requests = [StepRequest(0)] + [StepRequest(i, can_draft=False) for i in range(1, 8)]
+    estimator = FixedEstimator(drafter=0.6)
+    costs = _costs(row_ms=0.5, drafter_ms_per_slot=0.05)
+    per_request = _plan(requests, estimator, costs)
+    whole = _plan(requests, estimator, costs, whole_batch_drafter=True)
+    assert per_request.drafting == [0] and per_request.drafter_slots == 16
+    assert whole.drafting == [] and whole.drafter_slots == 0
+    assert _plan(requests[:1], estimator, costs, whole_batch_drafter=True).drafting == [0]  # alone: the same cost
+
+
 def test_the_plan_predicts_its_own_step():
     costs = _costs()
     plan = _plan(_lookups(3, k=5, can_draft=True), FixedEstimator(lookup=0.6, drafter=0.8), costs)

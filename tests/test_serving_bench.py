@@ -327,9 +327,11 @@ def test_worker_reads_the_proposer_timings_and_old_stats_files(tmp_path, monkeyp
     stats.record_step({"policy": 0.003, "drafter": 0.020})
     stats.record_online_datastore_bytes(300)
     stats.record_online_datastore_bytes(200)
+    stats.prediction = {"steps": 2, "requests": 4, "target_predicted": 0.04}
     stats.write()
     flat, gauges = worker.read_proposer_stats()
     assert flat["proposer_cycles_draft"] == 1 and flat["proposer_steps"] == 2
+    assert flat["proposer_pred_steps"] == 2 and flat["proposer_pred_target_predicted"] == pytest.approx(0.04)
     assert flat["proposer_s_drafter"] == pytest.approx(0.030) and flat["proposer_s_policy"] == pytest.approx(0.004)
     assert gauges == {"online_datastore_bytes": 300}
     old = {"cycles": {"draft": 1}, "committed": {"draft": 2}, "tau": 2.0}  # written before timings existed
@@ -338,6 +340,18 @@ def test_worker_reads_the_proposer_timings_and_old_stats_files(tmp_path, monkeyp
     monkeypatch.delenv(worker.PROPOSER_STATS_ENV)
     assert worker.read_proposer_stats() == ({}, {})
     assert os.environ.get(worker.PROPOSER_STATS_ENV) is None
+
+
+def test_prediction_table_sets_the_policy_beside_the_engine():
+    ledger = {"steps": 10, "requests": 40, "target_predicted": 0.3, "target_measured": 0.4, "tokens_predicted": 60.0,
+              "tokens_committed": 52, "drafter_steps": 2, "drafter_predicted": 0.004, "drafter_measured": 0.02}
+    counters = {f"proposer_pred_{k}": v for k, v in ledger.items()}
+    row = {"method": "vllm_dflash_goodput", "mode": "compiled", "concurrency": 4, "decoding": "greedy",
+           "prompts": "pooled", "spec_decode_counters": counters}
+    lines = report._prediction_lines([row, {**row, "method": "vllm_dflash", "spec_decode_counters": {}}])
+    # per step 30 vs 40 ms; accepted per request (60 - 40) / 40 = 0.5 predicted, 0.3 measured; d(S) 2 vs 10 ms
+    assert lines[-1] == "| vllm_dflash_goodput | compiled | 4 | 10 | 30.00 | 40.00 | 0.500 | 0.300 | 2 | 2.00 | 10.00 |"
+    assert sum(line.startswith("| vllm_dflash") for line in lines) == 1  # a fixed-policy row has no prediction
 
 
 # ---- NLL of sampled continuations -------------------------------------------------------------------------------

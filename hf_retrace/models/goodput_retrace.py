@@ -138,12 +138,14 @@ _NOTHING = _Option(None, np.zeros(0))
 
 
 def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, drafter_slots: int | None = None,
-           max_rows: int | None = None) -> tuple[np.ndarray, int, float, float]:  # fmt: skip
+           max_rows: int | None = None, whole_batch: bool = False) -> tuple[np.ndarray, int, float, float]:  # fmt: skip
     """The best admission prefix for one source per request.
 
     Returns:
         `(num_verified per request, drafter slots, E, T)`. With `drafter_slots=None` a drafting request adds
-        `block_size` slots when its first draft is admitted; otherwise the slots are fixed (the drafter already ran).
+        `block_size` slots when its first draft is admitted (`whole_batch`: the first admitted draft of any request
+        adds `n * block_size`, the engine's drafter runs for every request); otherwise the slots are fixed (the
+        drafter already ran).
     """
     n = len(options)
     lengths = np.array([len(o.survival) for o in options], dtype=np.int64)
@@ -157,6 +159,8 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
     rows = n + np.arange(surv.size + 1)
     if drafter_slots is None:
         slots = block_size * np.concatenate([[0], np.cumsum(drafts & (pos == 0))])
+        if whole_batch:
+            slots = np.where(slots > 0, n * block_size, 0)
     else:
         slots = np.full(rows.size, int(drafter_slots))
     seconds = np.asarray(cost_model.target_seconds(rows) + cost_model.drafter_seconds(slots), dtype=np.float64)
@@ -186,13 +190,15 @@ def _value(option: _Option, threshold: float, fixed_cost: float) -> float:
     return gain - fixed_cost if option.source == DRAFTER else gain
 
 
-def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: int, rate: float) -> list[_Option]:
+def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: int, rate: float,
+          whole_batch: bool = False) -> list[_Option]:  # fmt: skip
     """One option per request, the highest value at `rate`; the drafter's `d(S)` is shared among the requests that
-    may draft (its per-request part is charged to each)."""
+    may draft (its per-request part is charged to each; `whole_batch`: the forward of all `n` requests is)."""
     n = len(choices)
     threshold = rate * cost_model.marginal_row_cost(n)
     num_drafters = sum(any(o.source == DRAFTER for o in c) for c in choices)
-    share = rate * cost_model.drafter_seconds(block_size * num_drafters) / num_drafters if num_drafters else 0.0
+    slots = block_size * (n if whole_batch else num_drafters)
+    share = rate * cost_model.drafter_seconds(slots) / num_drafters if num_drafters else 0.0
     return [max(c, key=lambda o: _value(o, threshold, share)) for c in choices]
 
 
@@ -209,7 +215,8 @@ def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], 
 
 
 def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator: AcceptanceEstimator,
-              block_size: int, max_verified: int, max_rows: int | None = None) -> StepPlan:  # fmt: skip
+              block_size: int, max_verified: int, max_rows: int | None = None,
+              whole_batch_drafter: bool = False) -> StepPlan:  # fmt: skip
     """Stage 1: which source proposes for each request (a lookup, the drafter, or nothing) and who drafts.
 
     Args:
@@ -219,6 +226,9 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
         block_size (`int`): drafter slots per drafting request; it drafts `block_size - 1` tokens.
         max_verified (`int`): at most this many tokens verified per request.
         max_rows (`int`, *optional*): the engine's cap on rows in a step (e.g. vLLM's `max_num_batched_tokens`).
+        whole_batch_drafter (`bool`, *optional*, defaults to `False`): the engine's drafter forward runs for every
+            request of the step as soon as one drafts (vLLM's padded drafter batch), so drafting costs
+            `d(n * block_size)` however few requests draft.
 
     Returns:
         [`StepPlan`]: run the drafter for `plan.drafting`, then call [`choose_num_verified`].
@@ -229,7 +239,8 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
     lookups = [_lookup_options(r, estimator, cap) for r, cap in zip(requests, caps)]
 
     def solve(options: list[_Option]) -> StepPlan:
-        return _plan(options, requests, caps, _solve(options, cost_model, block_size, None, max_rows))
+        return _plan(options, requests, caps,
+                     _solve(options, cost_model, block_size, None, max_rows, whole_batch_drafter))  # fmt: skip
 
     best = solve(_pick(lookups, cost_model, block_size, 0.0))  # rate 0: the most-surviving lookup per request
     if not any(r.can_draft for r in requests) or block_size < 2:
@@ -238,7 +249,7 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
                for r, c, cap in zip(requests, lookups, caps)]  # fmt: skip
     picked = None
     for _ in range(2):  # the choice depends on the rate and the rate on the choice: refine once
-        previous, picked = picked, _pick(choices, cost_model, block_size, best.tokens_per_second)
+        previous, picked = picked, _pick(choices, cost_model, block_size, best.tokens_per_second, whole_batch_drafter)
         if picked == previous:
             break
         candidate = solve(picked)

@@ -32,11 +32,16 @@ def prompt_lookup(
         `list[int]` of `1..num_tokens` tokens, or `None` when no n-gram recurs.
     """
     length = tokens.shape[0]
+    # ends of earlier windows: positions e <= T-2 (a token follows) holding the context's last token; an n-gram
+    # matches at e when tokens[e-j] == tokens[T-1-j] for j < n. Filtering these few ends costs one pass over the
+    # tokens, where comparing every window costs n passes per size.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
     for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [T - n, n]: every n-gram but the last
-        matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if matches.size:  # window i ends at i+n-1 <= T-2, so at least one token follows it
-            start = int(matches[0]) + n
+        matches = ends[ends >= n - 1]
+        for j in range(1, n):
+            matches = matches[tokens[matches - j] == tokens[-1 - j]]
+        if matches.size:  # the earliest occurrence; its continuation starts after its end
+            start = int(matches[0]) + 1
             return tokens[start : start + num_tokens].tolist()
     return None
 

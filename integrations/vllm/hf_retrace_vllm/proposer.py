@@ -41,7 +41,7 @@ from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
 from .shared.speculation_retrace import SpeculationPlan, SpeculationPolicy
 from .stats import ProposerStats
-from .steps import StepClock, StepRecord
+from .steps import PlannedStep, PredictionLedger, StepClock, StepRecord
 
 
 logger = init_logger(__name__)
@@ -89,9 +89,13 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.last_step: StepRecord | None = None  # the step-cost model's input: R, S and the parts' seconds
         self.startup_profile: StartupProfile | None = None  # set after vLLM's warm-up (profile.py)
         self.costs = EngineCosts(key_from_vllm_config(vllm_config))  # t(R), d(S): cache file, profile or prior
+        # the drafter's forward runs for the whole padded batch when any request drafts: charged as such
         self.speculation = SpeculationPolicy(self.policy.settings, self.sources, self.policy.block_size,
-                                             self.costs.model)  # fmt: skip
+                                             self.costs.model, whole_batch_drafter=True)  # fmt: skip
         self._logged = 0  # hundreds of cycles already logged
+        self.prediction = PredictionLedger()  # goodput: predicted beside measured steps
+        self._planned: PlannedStep | None = None  # the last plan's prediction of the step that verifies it
+        self._step_committed = 0  # tokens this step committed, over its requests
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -138,6 +142,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         runner and scheduler take lists of any length, as for its n-gram proposer)."""
         self.clock.start()
         self._last_draft_probs = None
+        self._step_committed = 0
         cad = common_attn_metadata
         max_verified = min(int(num_speculative_tokens), self.max_verified)
         context_features = self.model.combine_hidden_states(target_hidden_states)  # [R, H]: fc of the features
@@ -215,6 +220,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         if not decoding and computed + rows < committed:
             return None
         accepted = rows - 1 - step.rejected[i] if decoding else 0
+        self._step_committed += accepted + 1
         if verifies_previous(previous, step, i, decoding):
             self.stats.record(previous.source, accepted + 1)
             self.speculation.outcome(step.req_ids[i], accepted)
@@ -285,10 +291,30 @@ class ReTraceDFlashProposer(DFlashProposer):
                 pending.states = states[row, :count].clone()
         self.clock.lap("policy")
 
+    def _check_prediction(self, step: StepBatch) -> None:
+        """Under goodput: the previous plan's prediction against this step, and this plan's drafter prediction
+        (`d(S)` of the slots it planned; the forward runs for the whole batch, `StepRecord.drafter_slots`)."""
+        if self.speculation.kind != "goodput":
+            return
+        model = self.costs.model
+        if self._planned is not None:
+            self.prediction.add(self._planned, self.last_step, step.req_ids, self._step_committed)
+        final = self.speculation.last_step
+        self._planned = None
+        if final is not None and final.requests:
+            planned_ids = frozenset(r.request_id for r in final.requests)
+            self._planned = PlannedStep(planned_ids, final.rows, float(model.target_seconds(final.rows)),
+                                        final.expected_tokens)  # fmt: skip
+        if self.last_step.drafter_slots:
+            predicted = model.drafter_seconds(final.drafter_slots) if final is not None and final.drafter_slots else 0.0
+            self.prediction.add_drafter(predicted, self.last_step.drafter_seconds)
+        self.stats.prediction = self.prediction.as_dict()
+
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
         neither the proposer's nor the engine's time."""
         self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots)
+        self._check_prediction(step)  # before the model learns from this step: it predicted without it
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:

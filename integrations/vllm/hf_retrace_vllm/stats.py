@@ -30,6 +30,8 @@ class ProposerStats:
         timings (`dict[str, float]`): seconds spent in each timed part of those steps, in total (`policy`,
             `drafter`, ...: the names are the proposer's), so `timings[name] / steps` is that part's time per step.
         online_datastore_bytes (`int`, *optional*): the online datastore's peak size in bytes; `None` without one.
+        prediction (`dict`, *optional*): the goodput policy's predictions beside the measured steps
+            (`steps.PredictionLedger.as_dict()`); `None` under the fixed policy.
     """
 
     cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
@@ -40,6 +42,7 @@ class ProposerStats:
     steps: int = 0
     timings: dict = field(default_factory=dict)
     online_datastore_bytes: int | None = None
+    prediction: dict | None = None
 
     def record(self, source: str, committed: int) -> None:
         self.cycles[source] = self.cycles.get(source, 0) + 1

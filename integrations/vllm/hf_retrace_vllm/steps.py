@@ -7,7 +7,7 @@ scheduling) is the wall time between two `propose()` calls.
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 PARTS = ("policy", "context_kv", "drafter")
@@ -85,3 +85,67 @@ class StepClock:
     def close(self) -> None:
         """Marks the end of the proposer's step: the next `start()` measures the engine's part from here."""
         self._last_end = time.perf_counter()
+
+
+@dataclass
+class PredictionLedger:
+    """What the cost-aware policy predicted for its steps beside what the engine then measured (docs/cost-aware-speculation.md).
+
+    A goodput plan predicts, for the step that verifies it, the target's time `t(R)`, the drafter's time `d(S)` of the
+    forward it runs now, and the tokens the step commits (`E`: 1 + survival probabilities per request). Only steps
+    whose batch is exactly the planned one are counted: a request that joined (its prefill rows) or left makes the
+    step another one than the plan's.
+
+    Attributes:
+        steps (`int`): steps compared.
+        drafter_steps (`int`): drafter forwards compared.
+        target_predicted (`float`), target_measured (`float`): seconds of the target's part, summed.
+        drafter_predicted (`float`), drafter_measured (`float`): seconds of the drafter's forward, summed.
+        tokens_predicted (`float`), tokens_committed (`int`): tokens, summed.
+        requests (`int`): requests of those steps, summed: each commits one token for sure, so
+            `tokens_predicted - requests` is the predicted number of accepted proposals, beside
+            `tokens_committed - requests` accepted.
+    """
+
+    steps: int = 0
+    drafter_steps: int = 0
+    target_predicted: float = 0.0
+    target_measured: float = 0.0
+    drafter_predicted: float = 0.0
+    drafter_measured: float = 0.0
+    tokens_predicted: float = 0.0
+    tokens_committed: int = 0
+    requests: int = 0
+
+    def add(self, planned: "PlannedStep", record: StepRecord, req_ids, committed: int) -> bool:
+        """Counts one step against its plan (`planned`, made at the previous `propose()`); `committed`: tokens the
+        step committed over its requests. Returns whether it counted."""
+        if record.engine_seconds is None or record.rows != planned.rows or frozenset(req_ids) != planned.req_ids:
+            return False
+        self.steps += 1
+        self.target_predicted += planned.target_seconds
+        self.target_measured += record.engine_seconds + record.propose_seconds - record.drafter_seconds
+        self.tokens_predicted += planned.expected_tokens
+        self.tokens_committed += int(committed)
+        self.requests += len(planned.req_ids)
+        return True
+
+    def add_drafter(self, predicted: float, measured: float) -> None:
+        """The drafter's forward of this step: predicted `d(S)` of the plan's slots, and its measured seconds."""
+        self.drafter_steps += 1
+        self.drafter_predicted += float(predicted)
+        self.drafter_measured += float(measured)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A goodput plan's prediction of the step that verifies it: its requests, target rows `R`, `t(R)` in seconds
+    and expected committed tokens `E`."""
+
+    req_ids: frozenset
+    rows: int
+    target_seconds: float
+    expected_tokens: float

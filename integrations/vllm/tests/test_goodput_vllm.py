@@ -17,7 +17,7 @@ from conftest import PROMPTS, close_llm, greedy, make_llm
 from hf_retrace_vllm import STATS_ENV
 from hf_retrace_vllm.costs import WARM_STEPS, EngineCosts, bound_threads, engine_key
 from hf_retrace_vllm.shared.cost_model_retrace import CostCurve, StepCostModel
-from hf_retrace_vllm.steps import StepRecord
+from hf_retrace_vllm.steps import PlannedStep, PredictionLedger, StepRecord
 
 
 MAX_TOKENS = 32
@@ -53,6 +53,21 @@ def test_cost_file_of_another_configuration_or_corrupt_is_remeasured(tmp_path):
     assert EngineCosts(key, path, save_at_exit=False).source == "prior"  # another thread count
     path.write_text("{not json")
     assert EngineCosts(key, path, save_at_exit=False).source == "prior"  # the engine starts, and measures again
+
+
+def test_prediction_ledger_counts_only_the_planned_batch():
+    ledger = PredictionLedger()
+    planned = PlannedStep(frozenset({"a", "b"}), rows=5, target_seconds=0.03, expected_tokens=3.5)
+    record = _record(5, 0.025)  # target part: engine 25 ms + propose 2 ms
+    assert ledger.add(planned, record, ["b", "a"], committed=4)  # the batch's order may change
+    assert not ledger.add(planned, _record(9, 0.025), ["a", "b"], committed=4)  # a prefill joined: other rows
+    assert not ledger.add(planned, record, ["a", "c"], committed=4)  # another batch
+    assert not ledger.add(planned, _record(5, None), ["a", "b"], committed=4)  # the first step: engine part unknown
+    ledger.add_drafter(0.004, 0.006)
+    assert ledger.as_dict() == pytest.approx({
+        "steps": 1, "drafter_steps": 1, "target_predicted": 0.03, "target_measured": 0.027, "drafter_predicted": 0.004,
+        "drafter_measured": 0.006, "tokens_predicted": 3.5, "tokens_committed": 4, "requests": 2,
+    })  # fmt: skip
 
 
 def test_bound_threads_reads_vllm_bind_lists():
@@ -130,6 +145,9 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
     online = proposer.online_datastore  # every finished request freed, its response in the global index
     assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
     assert len(proposer.committed) == 1 and not proposer.speculation.estimator.num_requests > 1
+    prediction = stats["prediction"]  # the plans' predictions beside the steps that verified them
+    assert prediction["steps"] > 10 and prediction["target_measured"] > 0, prediction
+    assert 0 < prediction["tokens_predicted"] and prediction["tokens_committed"] >= prediction["steps"], prediction
 
 
 @pytest.mark.parametrize("forced", ["cheap", "expensive"])

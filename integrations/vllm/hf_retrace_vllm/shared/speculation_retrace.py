@@ -81,17 +81,21 @@ class SpeculationPolicy:
             drafter runs after this many steps without it. Without it, a pessimistic estimate or a step-cost profile
             taken under load would never be corrected: a drafter that never runs is never observed. It costs at
             most one drafter forward per `explore_every` steps.
+        whole_batch_drafter (`bool`, *optional*, defaults to `False`): the engine's drafter forward runs for the
+            whole batch when any request drafts (vLLM's padded drafter batch): goodput charges it `d(n * B)`.
     """
 
     def __init__(self, settings, sources: list[CandidateSource], block_size: int,
                  cost_model: StepCostModel | None = None, estimator: AcceptanceEstimator | None = None,
-                 max_rows: int | None = None, explore_every: int = 32):  # fmt: skip
+                 max_rows: int | None = None, explore_every: int = 32,
+                 whole_batch_drafter: bool = False):  # fmt: skip
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 (steps between exploring drafter runs), got {explore_every}")
         self.kind = settings.speculation_policy
         if self.kind == "goodput" and cost_model is None:
             raise ValueError('speculation_policy="goodput" needs a step-cost model (cost_model_retrace.StepCostModel)')
         self.sources, self.block_size, self.max_rows = list(sources), int(block_size), max_rows
+        self.whole_batch_drafter = bool(whole_batch_drafter)
         self.num_assistant_tokens = min(int(settings.num_assistant_tokens), self.block_size - 1)
         self.threshold = settings.assistant_confidence_threshold
         self.cost_model = cost_model
@@ -113,7 +117,7 @@ class SpeculationPolicy:
             return SpeculationPlan({rid: self._fixed_action(rid, tokens, int(m)) for rid, tokens, m in requests})
         step_requests = [self._step_request(rid, tokens, int(m)) for rid, tokens, m in requests]
         step = plan_step(step_requests, self.cost_model, self.estimator, self.block_size, self.max_verified,
-                         self.max_rows)  # fmt: skip
+                         self.max_rows, self.whole_batch_drafter)  # fmt: skip
         plan = SpeculationPlan(step=step)
         for planned, (_, _, max_tokens) in zip(step.requests, requests):
             rid = planned.request_id
