@@ -55,7 +55,8 @@ PROPOSER_STATS_ENV = "HF_RETRACE_VLLM_STATS"  # the hf-retrace plugin's proposer
 def read_proposer_stats() -> tuple[dict, dict]:
     """The hf-retrace proposer's counters, flat, and its gauges; both empty without the plugin's proposer.
 
-    Counters: cycles and committed tokens by source (`lookup`, `datastore`, `online_datastore`, `draft`) as `proposer_cycles_draft`, ...;
+    Counters: cycles and committed tokens by source (`lookup`, `datastore`, `online_datastore`, `draft`) as
+    `proposer_cycles_draft`, ...;
     when the proposer times its parts (stats fields `steps` and `timings`, name -> seconds in total),
     `proposer_steps` and `proposer_s_<name>`; under the goodput policy its predictions beside the measured steps
     (stats field `prediction`) as `proposer_pred_<field>`. Gauges: `online_datastore_bytes` (peak) when written.

@@ -89,7 +89,8 @@ class StepClock:
 
 @dataclass
 class PredictionLedger:
-    """What the cost-aware policy predicted for its steps beside what the engine then measured (docs/cost-aware-speculation.md).
+    """What the cost-aware policy predicted for its steps beside what the engine then measured
+    (docs/cost-aware-speculation.md).
 
     A goodput plan predicts, for the step that verifies it, the target's time `t(R)`, the drafter's time `d(S)` of the
     forward it runs now, and the tokens the step commits (`E`: 1 + survival probabilities per request). Only steps
