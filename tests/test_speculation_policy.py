@@ -5,11 +5,11 @@ many tokens when they are cheap; outcomes teach the estimator; the online datast
 import numpy as np
 import pytest
 
+from hf_retrace.models.acceptance_retrace import AcceptanceEstimator
 from hf_retrace.models.cost_model_retrace import StepCostModel
 from hf_retrace.models.policy_settings_retrace import resolve_settings
 from hf_retrace.models.sources_retrace import OnlineDatastoreSource, candidate_sources, propose_from_sources
-from hf_retrace.models.speculation_retrace import SpeculationPolicy
-
+from hf_retrace.models.speculation_retrace import PlanCalibration, SpeculationPolicy
 
 BLOCK = 8
 REPEATING = np.array([4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5, 6])
@@ -141,3 +141,49 @@ def test_online_datastore_settings_are_checked():
         resolve_settings({"online_datastore_num_tokens": 4, "online_datastore_max_bytes": -1}, BLOCK)
     with pytest.raises(ValueError, match="speculation_policy"):
         resolve_settings({"speculation_policy": "greedy"}, BLOCK)
+
+
+def test_plan_calibration_is_observed_over_predicted_shrunk_and_clipped():
+    calibration = PlanCalibration(decay=1.0, strength=8.0)
+    assert calibration.scale("drafter") == 1.0  # nothing seen: the estimates as they are
+    for _ in range(92):
+        calibration.update("drafter", predicted=2.0, observed=1)
+    assert calibration.scale("drafter") == pytest.approx((92 + 8) / (184 + 8))
+    assert calibration.scale("datastore") == 1.0  # per source
+    for _ in range(1000):
+        calibration.update("datastore", predicted=1.0, observed=0)
+    assert calibration.scale("datastore") == calibration.low
+
+
+class _OptimisticEstimator(AcceptanceEstimator):
+    """Believes every draft survives with 0.9 and never learns otherwise: only the plan calibration can correct it."""
+
+    def estimate(self, source, features, request_id=None):
+        return np.full(features.num_tokens, 0.9)
+
+    def update(self, source, features, num_accepted, request_id=None):
+        pass
+
+
+def test_goodput_calibrates_the_plans_it_chose_against_what_verification_accepted():
+    settings = resolve_settings({"speculation_policy": "goodput"}, BLOCK)
+    policy = SpeculationPolicy(settings, [], BLOCK, _costs(row_ms=3.0, drafter_ms=1.0), _OptimisticEstimator())
+    confidences = {"a": np.full(BLOCK - 1, 0.9)}
+
+    def verified(accept_all: bool) -> int:
+        plan = policy.plan([("a", np.array([1, 2, 3]), 10)])
+        if not plan.drafting:  # the drafter does not pay at all (or not yet: it explores every 32 steps)
+            return 0
+        k = policy.num_drafts(plan, confidences)["a"]
+        policy.outcome("a", k if accept_all else 0)
+        return k
+
+    trusting = verified(accept_all=False)
+    for _ in range(200):  # the chosen plans promised ~4 accepted drafts each, verification accepted none
+        verified(accept_all=False)
+    assert policy.calibration.scale("drafter") < 0.3
+    assert verified(accept_all=False) < trusting
+    for _ in range(400):  # now every verified draft is accepted: exploring blocks show it, the correction follows
+        verified(accept_all=True)
+    assert policy.calibration.scale("drafter") > 1.0
+    assert verified(accept_all=True) >= trusting
