@@ -129,6 +129,20 @@ def test_a_cost_file_from_another_host_is_remeasured(cost_cache):
     assert json.loads(path.read_text())["key"]["cpu"] == key.cpu  # and the file now holds this host's profile
 
 
+def test_a_cost_file_of_this_key_but_another_speed_is_remeasured(cost_cache):
+    """Machines of the same CPU model share the key: a file 1000x too slow for this one (goodput would never
+    speculate) is checked against a timed target step and profiled again."""
+    target = make_target("qwen3")
+    drafter = _goodput_drafter(target)
+    key = transformers_host_key(target, drafter)
+    path = default_cache_path(key)
+    StepCostModel.fit([(1, 100.0), (8, 100.0)], [(BLOCK, 100.0)]).save(path, key)  # the key matches
+    prompt = random_prompt(6, seed=1)
+    assert _greedy(target, prompt, assistant_model=drafter).tolist() == _greedy(target, prompt).tolist()
+    assert float(speculation_state(drafter).cost_models[key].target_seconds(1)) < 1.0
+    assert float(StepCostModel.load(path, key).target_seconds(1)) < 1.0  # the file holds this host's profile
+
+
 def test_a_new_call_finishes_the_previous_request_in_the_online_datastore():
     target = make_target("qwen3")
     drafter = _goodput_drafter(target, online_datastore_num_tokens=6)

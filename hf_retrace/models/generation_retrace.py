@@ -23,7 +23,7 @@ from .draft_head_retrace import draft_lm_head
 from .policy_settings_retrace import num_confident
 from .sources_retrace import candidate_sources
 from .speculation_retrace import SpeculationPolicy
-from .speculation_state_retrace import profile_cost_model, speculation_state, transformers_host_key
+from .speculation_state_retrace import profile_cost_model, speculation_state, time_target_step, transformers_host_key
 
 
 @dataclass
@@ -238,6 +238,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         return state.cost_model_for(
             transformers_host_key(target, drafter),
             lambda: profile_cost_model(target, drafter, head, dict(self.model_kwargs_overrides)),
+            lambda: time_target_step(target, dict(self.model_kwargs_overrides)),
         )
 
     def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):

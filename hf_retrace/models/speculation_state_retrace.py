@@ -9,6 +9,8 @@ and the transformers side's step-cost profile.
 online datastore and the step-cost models, per host key. It is a plain attribute, never saved with the weights.
 A cost model is loaded from its per-host cache file, or profiled once ([`profile_cost_model`]: the target at a few
 row counts on a fresh small cache, and one drafter block; about a second for a 0.6B target on 2 cores) and saved.
+Machines with the same CPU model name share a key but not a speed, so a loaded file is checked first against a few
+timed target steps ([`time_target_step`]) and profiled again when it is off by more than `RESCALE_TOLERANCE`.
 """
 
 import hashlib
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 TARGET_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows profiled (those above the drafter's block are skipped)
 PROFILE_CONTEXT = 32  # tokens in the profile's fresh cache
+RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is this far off a timed step here is profiled again
 
 
 class SpeculationState:
@@ -73,13 +76,17 @@ class SpeculationState:
             self.open_request = None
             self._save_refreshed()
 
-    def cost_model_for(self, key: HostKey, profile) -> StepCostModel:
-        """The model for `key`: the override, the one in memory, the cache file's, or `profile()`'s (then saved)."""
+    def cost_model_for(self, key: HostKey, profile, check=None) -> StepCostModel:
+        """The model for `key`: the override, the one in memory, the cache file's, or `profile()`'s (then saved).
+        `check()`, when given, times `(rows, seconds)` of a target step here: a cache file that predicts it off by
+        more than `RESCALE_TOLERANCE` (another machine of the same CPU model) is profiled again."""
         if self.cost_model is not None:
             return self.cost_model
         if key not in self.cost_models:
             path = default_cache_path(key)
             model = StepCostModel.load(path, key)  # None when absent or measured for another host or configuration
+            if model is not None and check is not None and not _agrees(model, *check(), path):
+                model = None
             if model is None:
                 model = profile()
                 _save(model, path, key)
@@ -93,6 +100,15 @@ class SpeculationState:
             if model.num_observed != self._saved.get(key):
                 _save(model, default_cache_path(key), key)
                 self._saved[key] = model.num_observed
+
+
+def _agrees(model: StepCostModel, rows: int, seconds: float, path) -> bool:
+    ratio = seconds / max(float(model.target_seconds(rows)), 1e-12)
+    if 1.0 / RESCALE_TOLERANCE <= ratio <= RESCALE_TOLERANCE:
+        return True
+    logger.warning("step-cost file %s predicts %.2fx this host's target step of %d rows (another machine of the same "
+                   "CPU model?): profiling again", path, 1.0 / ratio, rows)  # fmt: skip
+    return False
 
 
 def _save(model: StepCostModel, path, key: HostKey) -> None:
@@ -131,6 +147,29 @@ def transformers_host_key(target, drafter) -> HostKey:
     return host_key("transformers", target_id, dtype, torch.get_num_threads(), compiled=False, extra=extra)
 
 
+def _target_step(target, target_kwargs: dict):
+    """`step(rows)`: the target verifying `rows` rows after a cached context of `PROFILE_CONTEXT` tokens."""
+    device = next(target.parameters()).device
+    cache = DynamicCache(config=target.config)
+    context = torch.full((1, PROFILE_CONTEXT), 1, dtype=torch.long, device=device)
+    target(input_ids=context, cache=cache, use_cache=True)
+
+    def target_step(rows: int) -> None:
+        ids = torch.full((1, rows), 1, dtype=torch.long, device=device)
+        target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=rows, **target_kwargs)
+        cache.crop(-rows)  # back to the context: every row count runs on the same cache
+
+    return target_step
+
+
+@torch.no_grad()
+def time_target_step(target, target_kwargs: dict, rows: int = 4, repeats: int = 5) -> tuple[int, float]:
+    """`(rows, seconds)`: the median of `repeats` timed target steps of `rows` rows (one untimed first), as
+    [`profile_cost_model`] times them; what a loaded cache file is checked against."""
+    samples = measure(_target_step(target, target_kwargs), [rows], repeats=repeats, warmup=1)
+    return rows, float(sorted(t for _, t in samples)[len(samples) // 2])
+
+
 @torch.no_grad()
 def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int = 3) -> StepCostModel:
     """Profiles `t(R)` (the target verifying `R` rows after a short cached context) and `d(B)` (one drafter block and
@@ -143,16 +182,8 @@ def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int 
         target_kwargs (`dict`): what verification adds to the target's call (`output_hidden_states`).
     """
     start = time.perf_counter()
-    device = next(target.parameters()).device
     block_size = drafter.config.block_size
-    cache = DynamicCache(config=target.config)
-    context = torch.full((1, PROFILE_CONTEXT), 1, dtype=torch.long, device=device)
-    target(input_ids=context, cache=cache, use_cache=True)
-
-    def target_step(rows: int) -> None:
-        ids = torch.full((1, rows), 1, dtype=torch.long, device=device)
-        target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=rows, **target_kwargs)
-        cache.crop(-rows)  # back to the context: every row count runs on the same cache
+    target_step = _target_step(target, target_kwargs)
 
     hidden = drafter.config.hidden_size
     dtype = next(drafter.parameters()).dtype
@@ -177,4 +208,4 @@ def profile_cost_model(target, drafter, head, target_kwargs: dict, repeats: int 
     return model
 
 
-__all__ = ["SpeculationState", "profile_cost_model", "speculation_state", "transformers_host_key"]
+__all__ = ["SpeculationState", "profile_cost_model", "speculation_state", "time_target_step", "transformers_host_key"]

@@ -4,7 +4,9 @@ step whose target verifies `R` rows, and `d(S)`, the drafter's forward of `S` sl
 Where the model comes from, in order:
 1. the per-host cache file (`default_cache_path(key)`, under `HF_RETRACE_CACHE`), when its key matches this host
    and configuration (`engine_key`: target path and config, dtype, bound threads, compiled or eager, vLLM version,
-   drafter); a file for another host or configuration, or a corrupt one, is re-measured, never trusted;
+   drafter); a file for another host or configuration, or a corrupt one, is re-measured, never trusted. Machines
+   that share a CPU model name still differ in speed (clock, memory, neighbours), so the file's curves are checked
+   against the first `WARM_STEPS` decode steps too, and rescaled to them when off by more than `RESCALE_TOLERANCE`;
 2. the start-up profile's samples (profile.py, when `HF_RETRACE_VLLM_PROFILE=1`);
 3. else a prior of the right shape (`prior_model`), scaled to this host by the first observed steps.
 
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 VLLM_EXTRA = "vllm-0.32"
 SAVE_EVERY = 500  # refreshes between saves of the cache file
 IDLE_FACTOR = 5.0  # a step this many times slower than predicted is idle time, not cost
-WARM_STEPS = 4  # observed decode steps whose median scales the prior to this host
+WARM_STEPS = 4  # observed decode steps whose median scales the prior (or a cache file that is off) to this host
+RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off the first decode steps by more than this factor is rescaled
 DECODE_ROWS = 4  # a step with more rows a request than this is taken for a prefill while the prior is scaled
 # The prior's shape, relative to a one-row target step: ~19.2 ms for 1 row and ~38.8 ms for 8 on the development
 # host (vLLM compiled, SmolLM2-135M, 2 cores), so a row costs ~0.146 of a one-row step; a drafter block of 16 slots
@@ -103,7 +106,8 @@ class EngineCosts:
 
     Attributes:
         model ([`StepCostModel`]): `t(R)` and `d(S)`, what the policy plans with.
-        source (`str`): `"cache"`, `"profile"` or `"prior"` (until `WARM_STEPS` steps scale it: `"prior-scaled"`).
+        source (`str`): `"cache"`, `"profile"` or `"prior"` (until `WARM_STEPS` steps scale it: `"prior-scaled"`; a
+            cache file they found off by more than `RESCALE_TOLERANCE`: `"cache-rescaled"`).
         skipped (`int`): steps skipped as idle time.
     """
 
@@ -146,10 +150,11 @@ class EngineCosts:
             return False
         target_s, drafter_s = costs
         rows, slots = record.rows, record.drafter_slots
-        if self.source == "prior":
+        if self.source in ("prior", "cache"):
             if rows > DECODE_ROWS * record.requests:  # a prefill (and the engine's first, cold steps): not its scale
                 return False
-            return self._warm_up(rows, slots, target_s, drafter_s)
+            if self._warm_up(rows, slots, target_s, drafter_s):
+                return True
         if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
             self.skipped += 1
             return False
@@ -163,8 +168,11 @@ class EngineCosts:
         return True
 
     def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float) -> bool:
-        """Collects the first steps, then scales the prior's target curve by their median ratio to it, and its
-        drafter curve by the drafting steps' ratio (the target's when none drafted yet)."""
+        """Collects the first decode steps, then scales the model's target curve by their median ratio to it, and
+        its drafter curve by the drafting steps' ratio (the target's when none drafted yet): always for the prior;
+        for a cache file only when its target curve is off by more than `RESCALE_TOLERANCE`, and then both curves by
+        the target's ratio (a faster or slower machine, the file's shapes kept). Returns whether the step was taken
+        here (a cache file the steps confirmed learns from them as usual)."""
         d_pred = self.model.drafter_seconds(slots) if slots else 0.0
         self._warm.append((target_s, self.model.target_seconds(rows), drafter_s, d_pred))
         if len(self._warm) < WARM_STEPS:
@@ -172,12 +180,21 @@ class EngineCosts:
         target_scale = statistics.median(t / p for t, p, _, _ in self._warm)
         drafted = [d / p for _, _, d, p in self._warm if p > 0]
         drafter_scale = statistics.median(drafted) if drafted else target_scale
+        self._warm, was = [], self.source
+        if was == "cache":
+            if 1.0 / RESCALE_TOLERANCE <= target_scale <= RESCALE_TOLERANCE:
+                self.source = "cache-checked"
+                return False
+            drafter_scale = target_scale  # another machine's speed: one factor, the file's shapes kept
         self._replace_curves(
             CostCurve(self.model.target.sizes, self.model.target.seconds * target_scale),
             CostCurve(self.model.drafter.sizes, self.model.drafter.seconds * drafter_scale),
         )
-        self.source, self._warm = "prior-scaled", []
-        logger.info("hf-retrace step costs: prior scaled to this host, t(1) %.1f ms, d(16) %.1f ms",
+        self.source = "prior-scaled" if was == "prior" else "cache-rescaled"
+        if was == "cache":
+            logger.warning("hf-retrace: step-cost file %s predicts %.2fx this host's decode steps (another machine of "
+                           "the same CPU model?): rescaled to them", self.path, 1.0 / target_scale)  # fmt: skip
+        logger.info("hf-retrace step costs: %s to this host, t(1) %.1f ms, d(16) %.1f ms", self.source,
                     self.model.target_seconds(1) * 1e3, self.model.drafter_seconds(16) * 1e3)  # fmt: skip
         self.save()
         return True
