@@ -176,7 +176,8 @@ def _batch(spec, mode, c, r, group, reply, decoding) -> Batch:
     outputs = reply["outputs"]
     return Batch(spec.name, "vllm", c, r, [p.key for p in group], [o["token_ids"] for o in outputs],
                  [o["cycles"] for o in outputs], reply["seconds"], reply["counters"], mode, decoding,
-                 peaks=reply.get("peaks") or {})  # fmt: skip
+                 peaks=reply.get("peaks") or {}, first_token_s=[o.get("first_token_s") for o in outputs],
+                 finish_s=[o.get("finish_s") for o in outputs])  # fmt: skip
 
 
 def run_vllm_block(spec, worker, mode, c, r, greedy, sampled, args) -> list[Batch]:

@@ -23,7 +23,8 @@ class Batch:
 
     `mode` is `compiled` or `eager` (vLLM) or `hf`; `decoding` is `greedy` or `sampled`. `nll` (sampled batches): per
     request, the target's negative log-likelihood of the generated tokens at the sampling temperature, summed over
-    them. `peaks`: gauges read at the end of the batch (the online datastore's bytes), not deltas.
+    them. `peaks`: gauges read at the end of the batch (the online datastore's bytes), not deltas. `first_token_s`,
+    `finish_s` (vLLM): per request, seconds from submission to its first token and to its last (`None`: not timed).
     """
 
     method: str
@@ -39,6 +40,21 @@ class Batch:
     decoding: str = GREEDY
     nll: list[float] | None = None
     peaks: dict = field(default_factory=dict)
+    first_token_s: list[float | None] | None = None
+    finish_s: list[float | None] | None = None
+
+
+def _latencies(b: Batch, picked: list[int]) -> tuple[list[float], list[float]]:
+    """Time to first token and time per output token after it (seconds), of the picked requests `b` timed."""
+    if b.first_token_s is None or b.finish_s is None:
+        return [], []
+    ttft, tpot = [], []
+    for i in picked:
+        first, finish, n = b.first_token_s[i], b.finish_s[i], len(b.outputs[i])
+        if first is not None and finish is not None and n > 1:
+            ttft.append(first)
+            tpot.append((finish - first) / (n - 1))
+    return ttft, tpot
 
 
 def block_key(method: str, mode: str, concurrency: int, round_index: int) -> str:
@@ -91,6 +107,7 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         return label == "pooled" or label in prompt_key[:2]
 
     cycles, tokens, num_prompts, seconds, counters, nll, peaks = [], 0, 0, 0.0, {}, None, {}
+    ttft, tpot = [], []
     for b in batches:
         picked = [i for i, k in enumerate(b.prompts) if keep(k)]
         if not picked:
@@ -98,6 +115,8 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         num_prompts += len(picked)
         tokens += sum(len(b.outputs[i]) for i in picked)
         cycles += [n for i in picked for n in b.cycles[i]]
+        latencies = _latencies(b, picked)
+        ttft, tpot = ttft + latencies[0], tpot + latencies[1]
         if b.nll is not None:
             nll = (nll or 0.0) + sum(b.nll[i] for i in picked)
         # batches hold one group (`concurrent_batches`); a prompt-set row of a batch that mixes sets gets the share
@@ -121,6 +140,9 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         "tau_drafted": 1 + counters["num_accepted_tokens"] / drafts if drafts else None,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
         "speedup": None, "vs_hf_ar_batch1": None,
+        # means over requests: time to first token (the prefill, queueing included) and per output token after it
+        "ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else None,
+        "tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else None, "tpot_speedup": None,
         "nll_per_token": nll / tokens if nll is not None and tokens else None,
         "num_cycles": len(cycles), "new_tokens": tokens, "seconds": seconds,
         "spec_decode_counters": counters or None, "peaks": peaks or None,
@@ -131,7 +153,8 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
 def summarize(batches: list[Batch], failures: list[dict]) -> list[dict]:
     """Rows per (method, mode, concurrency, decoding) x (each group, each prompt set, pooled); `speedup` is over the
     same engine's target alone in the same mode at the same concurrency and decoding on the same prompts,
-    `vs_hf_ar_batch1` over transformers' target alone at batch 1 (same decoding) on them."""
+    `vs_hf_ar_batch1` over transformers' target alone at batch 1 (same decoding) on them; `tpot_speedup` is the
+    target alone's time per output token over the method's (the decode alone, where both were timed)."""
     keys = list(dict.fromkeys((b.method, b.engine, b.mode, b.concurrency, b.decoding) for b in batches))
     labels = list(dict.fromkeys(k[0] for b in batches for k in b.prompts))
     labels += list(dict.fromkeys(k[1] for b in batches for k in b.prompts)) + ["pooled"]
@@ -140,8 +163,12 @@ def summarize(batches: list[Batch], failures: list[dict]) -> list[dict]:
         subset = [b for b in batches if (b.method, b.engine, b.mode, b.concurrency, b.decoding) == key]
         rows += [_row(key, label, subset, failures) for label in labels]
     speed = {(r["method"], r["mode"], r["concurrency"], r["decoding"], r["prompts"]): r["tokens_per_s"] for r in rows}
+    tpot = {(r["method"], r["mode"], r["concurrency"], r["decoding"], r["prompts"]): r["tpot_ms"] for r in rows}
     for r in rows:
-        ref = speed.get((REFERENCES[r["engine"]], r["mode"], r["concurrency"], r["decoding"], r["prompts"]))
+        ref_key = (REFERENCES[r["engine"]], r["mode"], r["concurrency"], r["decoding"], r["prompts"])
+        if r["tpot_ms"] and tpot.get(ref_key):
+            r["tpot_speedup"] = tpot[ref_key] / r["tpot_ms"]  # the decode's speedup, the prefill left out
+        ref = speed.get(ref_key)
         hf = speed.get(("hf_ar", "hf", 1, r["decoding"], r["prompts"]))
         if r["tokens_per_s"] is not None:
             r["speedup"] = r["tokens_per_s"] / ref if ref else None

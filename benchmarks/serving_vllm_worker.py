@@ -7,15 +7,18 @@ tcmalloc and Intel OpenMP are mapped in this process, i.e. whether `LD_PRELOAD` 
 on stdin, one reply line on stdout:
 
     {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64, "sampling": null}
-      -> {"outputs": [{"token_ids": [...], "cycles": [n, ...]}, ...], "seconds": s, "counters": {...}, "peaks": {...}}
+      -> {"outputs": [{"token_ids": [...], "cycles": [n, ...], "first_token_s": s, "finish_s": s}, ...],
+          "seconds": s, "counters": {...}, "peaks": {...}}
     {"cmd": "quit"} -> {"bye": true}, then exit
 
 `sampling`: null for greedy, or `{"temperature": t, "seeds": [one per prompt]}` (plain temperature sampling: no
 top-k, no top-p; each request seeded, so a rerun draws the same).
 
 All prompts of one `generate` are submitted at once (concurrency = len(prompts)) and stepped to completion.
-`cycles` are the tokens each engine step committed for that request (bonus included), read from per-step output
-deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
+`first_token_s` and `finish_s` are the seconds from submission to the request's first token (its time to first
+token, the prefill) and to its last; what lies between is its decode (time per output token: `(finish_s -
+first_token_s) / (tokens - 1)`). `cycles` are the tokens each engine step committed for that request (bonus
+included), read from per-step output deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
 with no truncation at `max_new_tokens` guessed. `counters` are deltas over the call: vLLM's own spec-decode counters
 (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without speculation), the
 engine's steps and the wall time spent in them (`engine_steps`, `engine_step_s`), and, with the hf-retrace plugin's
@@ -107,16 +110,19 @@ def generate(engine, prompts: list[list[int]], max_new_tokens: int, sampling: di
     steps = {rid: [] for rid in ids}  # value is vLLM's internal id)
     for rid, prompt, p in zip(ids, prompts, params):
         engine.add_request(rid, {"prompt_token_ids": prompt}, p)
-    engine_steps, step_seconds = 0, 0.0
+    engine_steps, step_seconds, first, last = 0, 0.0, {}, {}
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         outputs = engine.step()
-        step_seconds += time.perf_counter() - step_start
+        step_end = time.perf_counter()
+        step_seconds += step_end - step_start
         engine_steps += 1
         for output in outputs:
             new = len(output.outputs[0].token_ids)
             if new:  # a chunked-prefill step commits nothing
                 steps[output.request_id].append((new, output.outputs[0].token_ids))
+                first.setdefault(output.request_id, step_end - start)
+                last[output.request_id] = step_end - start
     seconds = time.perf_counter() - start
     proposer, gauges = read_proposer_stats()
     after = read_counters(engine) | proposer
@@ -125,7 +131,8 @@ def generate(engine, prompts: list[list[int]], max_new_tokens: int, sampling: di
     outputs = []
     for rid in ids:
         tokens = [t for _, delta in steps[rid] for t in delta]
-        outputs.append({"token_ids": tokens, "cycles": [n for n, _ in steps[rid][1:]]})  # [0]: the prefill's token
+        outputs.append({"token_ids": tokens, "cycles": [n for n, _ in steps[rid][1:]],  # [0]: the prefill's token
+                        "first_token_s": first.get(rid), "finish_s": last.get(rid)})  # fmt: skip
     return {"outputs": outputs, "seconds": seconds, "counters": counters, "peaks": gauges}
 
 

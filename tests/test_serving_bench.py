@@ -238,6 +238,26 @@ def test_counters_split_by_share_and_peaks_kept_whole():
     assert "| vllm_dflash | compiled | 2 | 0 / 0 | 0 / 0 | 0 / 0 | 4 / 6 | 1.500 |" in md
 
 
+def test_prefill_and_decode_are_timed_apart_per_request():
+    """Time to first token and time per output token after it, per request, and the decode's speedup beside the
+    end-to-end one: the same prefill (4 s) for both, a decode twice as fast."""
+    batches = [
+        Batch("vllm_ar", "vllm", 2, 0, KEYS, [[1] * 5, [2] * 3], [[1] * 4, [1] * 2], 12.0, mode="compiled",
+              first_token_s=[4.0, 4.0], finish_s=[8.0, 6.0]),
+        Batch("vllm_suffix", "vllm", 2, 0, KEYS, [[1] * 5, [2] * 3], [[2, 2], [2]], 9.0, mode="compiled",
+              first_token_s=[4.0, 4.0], finish_s=[6.0, None]),  # an untimed request counts in neither mean
+    ]  # fmt: skip
+    rows = records.summarize(batches, records.check_lossless(batches))
+    row = {(r["method"], r["prompts"]): r for r in rows}
+    assert row[("vllm_ar", "pooled")]["ttft_ms"] == pytest.approx(4000)
+    assert row[("vllm_ar", "pooled")]["tpot_ms"] == pytest.approx(1000)  # 4 s / 4 tokens, 2 s / 2 tokens
+    suffix = row[("vllm_suffix", "pool_eval")]
+    assert suffix["tpot_ms"] == pytest.approx(500) and suffix["tpot_speedup"] == pytest.approx(2.0)
+    assert row[("vllm_suffix", "unseen")]["tpot_ms"] is None
+    md = report.render_markdown(rows, _run_info(), [], [])
+    assert "| vllm_suffix | compiled | pool_eval | 2 | 4000 | 500.0 | 2.00x | 1.33x |" in md
+
+
 def _run_info(**extra):
     return {"target": "t", "max_new_tokens": 3, "cpu_count": 2, "transformers": "5", "torch_threads": 2,
             "vllm": "0.32.0", "vllm_threads_bind": "0-1", "prompts_per_set": 1, "prompt_factor": 2, "rounds": 1,
