@@ -52,6 +52,10 @@ tau is pooled over cycles (committed tokens, bonus included, over all verificati
 not counted); vLLM: the tokens each engine step commits per request. `tau_drafted`: vLLM's own counters
 (1 + accepted / drafts). Step timing: the engine's wall time per `step()`, and the plugin proposer's own timers per
 part (`hf_retrace_vllm/stats.py` fields `steps`, `timings`) with its online datastore's peak bytes when written.
+Prefill and decode apart (vLLM): per request, the time to its first token (TTFT: the prefill, and any queueing) and
+the time per output token after it (TPOT); the decode's speedup is the target alone's TPOT over the method's. With
+64 new tokens after long prompts (codeio's ~950 tokens) the prefill, which speculation leaves as it is, is a large
+share of the end-to-end time, and the end-to-end speedup stays under the decode's.
 
 Outputs in `--output-dir`, rewritten after every block: `results.json` (run info, rows, failures, per-batch records
 without token ids), `results.md`, `tokens_per_s.png`, and `batches.json` (token ids and the blocks done: `--resume`

@@ -9,7 +9,7 @@ import pytest
 
 from hf_retrace.models.acceptance_retrace import AcceptanceEstimator, ProposalFeatures
 from hf_retrace.models.cost_model_retrace import CostCurve, StepCostModel
-from hf_retrace.models.goodput_retrace import Proposal, StepRequest, choose_num_verified, plan_step
+from hf_retrace.models.goodput_retrace import Proposal, StepRequest, choose_num_verified, plan_step, speedup_ceiling
 
 
 class FixedEstimator:
@@ -184,3 +184,14 @@ def test_the_shared_core_imports_only_numpy_the_stdlib_and_itself(name):
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
             assert {n.split(".")[0] for n in names} <= {"numpy", *sys.stdlib_module_names}, ast.unparse(node)
+
+
+def test_speedup_ceiling_is_the_best_k_on_the_curve():
+    costs = _costs()  # t(1) = 19.2 ms, 2.8 ms a row
+    one, k = speedup_ceiling(costs, 1, 0.8, max_verified=8)
+    t = [float(costs.target_seconds(1 + j)) for j in range(9)]
+    brute = [(1 - 0.8 ** (j + 1)) / 0.2 * t[0] / t[j] for j in range(9)]
+    assert one == pytest.approx(max(brute)) and k == int(np.argmax(brute)) >= 4  # rows are cheap alone
+    assert speedup_ceiling(costs, 8, 0.5) == (1.0, 0)  # with 8 running a 50% token never pays
+    eight, k = speedup_ceiling(costs, 8, 0.95)
+    assert eight > 1.0 and 0 < k and eight < one  # a sure proposer still gains less under load

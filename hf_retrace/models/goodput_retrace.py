@@ -17,6 +17,8 @@ Two stages, because the drafter's confidences exist only after it runs:
    drafts (the drafter's `d(S)` counted as one group: plans with and without the drafter are both solved).
 2. [`choose_num_verified`]: after the drafter ran, how many of each request's drafts (and lookups) to verify.
 
+[`speedup_ceiling`] bounds what any proposer of a given acceptance can gain at a given load on a step-cost curve.
+
 Lossless by construction: the policy only chooses what is proposed and how much of it is verified; verification
 (greedy match or rejection sampling) is unchanged.
 """
@@ -286,6 +288,26 @@ def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepC
         if planned.source == DRAFTER:
             mine.source = DRAFTER
     return final
+
+
+def speedup_ceiling(cost_model: StepCostModel, num_requests: int, acceptance: float,
+                    max_verified: int = 16) -> tuple[float, int]:  # fmt: skip
+    """The most any proposer whose every token is accepted with probability `acceptance` (given the ones before it)
+    can gain over plain decoding at `num_requests` running, on this step-cost model: verifying `k` tokens per request
+    commits `n * (1 - p**(k+1)) / (1 - p)` tokens in `t(n * (1 + k))`, against `n` in `t(n)`; proposing is free here
+    (no drafter, no policy time), so a real method stays below it.
+
+    Returns:
+        `(speedup, k)`: the best ratio of tokens per second over plain decoding, and the `k` that reaches it (0: no
+        speculation pays; the ratio is then 1).
+    """
+    n, p = int(num_requests), float(acceptance)
+    ks = np.arange(int(max_verified) + 1)
+    tokens = np.cumsum(p**ks)  # 1 + p + ... + p**k, per request
+    seconds = np.asarray(cost_model.target_seconds(n * (1 + ks)), dtype=np.float64)
+    ratio = tokens / seconds * float(cost_model.target_seconds(n))
+    best = int(np.argmax(ratio))
+    return float(ratio[best]), best
 
 
 def _verified_option(planned: RequestPlan, drafter_probabilities, estimator, max_verified: int) -> _Option:
