@@ -10,6 +10,7 @@ import pytest
 from hf_retrace.models.cost_model_retrace import (
     CostCurve,
     StepCostModel,
+    cpu_features,
     cpu_model,
     default_cache_path,
     host_key,
@@ -93,6 +94,7 @@ def test_measure_times_each_size(monkeypatch):
 def test_host_key_names_the_cpu_and_cache_path(monkeypatch, tmp_path):
     key = _key()
     assert key.cpu == cpu_model() and key.cpu
+    assert key.cpu_features == cpu_features()  # the same model name covers AVX2-only and AVX-512 machines
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
     path = default_cache_path(key)
     assert path.parent == tmp_path / "cost" and path.name == f"vllm-{key.digest()}.json"
@@ -109,7 +111,8 @@ def test_save_load_round_trip(tmp_path):
     assert StepCostModel.load(tmp_path / "missing.json", key) is None
 
 
-@pytest.mark.parametrize("field, value", [("cpu", "Another CPU @ 9 GHz"), ("compiled", False), ("num_threads", 8)])
+@pytest.mark.parametrize("field, value", [("cpu", "Another CPU @ 9 GHz"), ("compiled", False), ("num_threads", 8),
+                                          ("cpu_features", "avx2,avx512f,avx512_bf16")])  # same model name, AVX-512
 def test_a_file_from_another_host_or_config_is_refused(tmp_path, caplog, field, value):
     path = tmp_path / "cost.json"
     _model().save(path, _key())

@@ -131,7 +131,8 @@ class CostCurve:
 @dataclass(frozen=True)
 class HostKey:
     """What a measured cost depends on: the engine, the target, its dtype, the thread count, compiled or eager, the
-    CPU model, the machine type and any `extra` the engine adds (e.g. its version). Build it with [`host_key`]."""
+    CPU model, the machine type, the CPU's vector extensions (`cpu_features`: the same model name covers AVX2-only and
+    AVX-512 machines) and any `extra` the engine adds (e.g. its version). Build it with [`host_key`]."""
 
     engine: str
     target_id: str
@@ -141,6 +142,7 @@ class HostKey:
     cpu: str
     machine: str
     extra: str = ""
+    cpu_features: str = ""
 
     def digest(self) -> str:
         """16 hex digits naming this configuration's cache file."""
@@ -159,10 +161,27 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+_KERNEL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_features() -> str:
+    """The CPU's vector extensions that change which kernels run (from `/proc/cpuinfo`'s flags), comma separated;
+    `""` where the file is missing."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    return ",".join(name for name in _KERNEL_FEATURES if name in flags)
+    except OSError:
+        pass
+    return ""
+
+
 def host_key(engine: str, target_id: str, dtype: str, num_threads: int, compiled: bool, extra: str = "") -> HostKey:
     """The [`HostKey`] of this host for one engine configuration (the CPU model is read here; no torch needed)."""
     return HostKey(str(engine), str(target_id), str(dtype), int(num_threads), bool(compiled), cpu_model(),
-                   platform.machine(), str(extra))  # fmt: skip
+                   platform.machine(), str(extra), cpu_features())  # fmt: skip
 
 
 def default_cache_path(key: HostKey) -> Path:
