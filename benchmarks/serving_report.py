@@ -97,9 +97,9 @@ def _decode_lines(rows: list[dict]) -> list[str]:
              "| method | mode | prompts | C | TTFT ms | TPOT ms | decode speedup (TPOT) | end-to-end speedup |",
              "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted(timed, key=lambda r: (r["mode"], r["prompts"], r["concurrency"])):
-        lines.append(f"| {r['method']} | {r['mode']} | {r['prompts']} | {r['concurrency']} | {_fmt(r['ttft_ms'], '.0f')} "
-                     f"| {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['tpot_speedup'], '.2f', 'x')} "
-                     f"| {_fmt(r['speedup'], '.2f', 'x')} |")  # fmt: skip
+        lines.append(f"| {r['method']} | {r['mode']} | {r['prompts']} | {r['concurrency']} "
+                     f"| {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} "
+                     f"| {_fmt(r['tpot_speedup'], '.2f', 'x')} | {_fmt(r['speedup'], '.2f', 'x')} |")  # fmt: skip
     return lines
 
 

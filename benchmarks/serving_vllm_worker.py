@@ -18,7 +18,8 @@ All prompts of one `generate` are submitted at once (concurrency = len(prompts))
 `first_token_s` and `finish_s` are the seconds from submission to the request's first token (its time to first
 token, the prefill) and to its last; what lies between is its decode (time per output token: `(finish_s -
 first_token_s) / (tokens - 1)`). `cycles` are the tokens each engine step committed for that request (bonus
-included), read from per-step output deltas, after the prefill step's first token: the exact per-cycle record `hf-retrace bench` keeps for its drafters,
+included), read from per-step output deltas, after the prefill step's first token: the exact per-cycle record
+`hf-retrace bench` keeps for its drafters,
 with no truncation at `max_new_tokens` guessed. `counters` are deltas over the call: vLLM's own spec-decode counters
 (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`; zero without speculation), the
 engine's steps and the wall time spent in them (`engine_steps`, `engine_step_s`), and, with the hf-retrace plugin's

@@ -148,16 +148,21 @@ class HostKey:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cpu_model() -> str:
-    """The CPU model name: `/proc/cpuinfo`'s "model name" on Linux, else `platform.processor()`."""
+def _cpuinfo(*fields: str) -> str | None:
+    """The value of the first `/proc/cpuinfo` line that starts with one of `fields`; `None` without the file."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.lower().startswith("model name"):
+                if line.lower().startswith(fields):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU model name: `/proc/cpuinfo`'s "model name" on Linux, else `platform.processor()`."""
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 _KERNEL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
@@ -166,15 +171,17 @@ _KERNEL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
 def cpu_features() -> str:
     """The CPU's vector extensions that change which kernels run (from `/proc/cpuinfo`'s flags), comma separated;
     `""` where the file is missing."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith(("flags", "features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    return ",".join(name for name in _KERNEL_FEATURES if name in flags)
-    except OSError:
-        pass
-    return ""
+    flags = set((_cpuinfo("flags", "features") or "").split())
+    return ",".join(name for name in _KERNEL_FEATURES if name in flags)
+
+
+RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off what this host measures by more than this is not trusted
+
+
+def speed_agrees(ratio: float) -> bool:
+    """Whether a measured / predicted step-time `ratio` is within `RESCALE_TOLERANCE` either way: a cache file
+    that fails it was written on another machine of the same key (both engines check a loaded file with it)."""
+    return 1.0 / RESCALE_TOLERANCE <= ratio <= RESCALE_TOLERANCE
 
 
 def host_key(engine: str, target_id: str, dtype: str, num_threads: int, compiled: bool, extra: str = "") -> HostKey:

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from .acceptance_retrace import AcceptanceEstimator
-from .cost_model_retrace import HostKey, StepCostModel, default_cache_path, host_key, measure
+from .cost_model_retrace import HostKey, StepCostModel, default_cache_path, host_key, measure, speed_agrees
 from .online_datastore_retrace import OnlineDatastore
 
 
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 TARGET_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows profiled (those above the drafter's block are skipped)
 PROFILE_CONTEXT = 32  # tokens in the profile's fresh cache
-RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is this far off a timed step here is profiled again
 
 
 class SpeculationState:
@@ -104,7 +103,7 @@ class SpeculationState:
 
 def _agrees(model: StepCostModel, rows: int, seconds: float, path) -> bool:
     ratio = seconds / max(float(model.target_seconds(rows)), 1e-12)
-    if 1.0 / RESCALE_TOLERANCE <= ratio <= RESCALE_TOLERANCE:
+    if speed_agrees(ratio):
         return True
     logger.warning("step-cost file %s predicts %.2fx this host's target step of %d rows (another machine of the same "
                    "CPU model?): profiling again", path, 1.0 / ratio, rows)  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel, default_cache_path, host_key
+from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel, default_cache_path, host_key, speed_agrees
 
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ VLLM_EXTRA = "vllm-0.32"
 SAVE_EVERY = 500  # refreshes between saves of the cache file
 IDLE_FACTOR = 5.0  # a step this many times slower than predicted is idle time, not cost
 WARM_STEPS = 4  # observed decode steps whose median scales the prior (or a cache file that is off) to this host
-RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off the first decode steps by more than this factor is rescaled
 DECODE_ROWS = 4  # a step with more rows a request than this is taken for a prefill while the prior is scaled
 # The prior's shape, relative to a one-row target step: ~19.2 ms for 1 row and ~38.8 ms for 8 on the development
 # host (vLLM compiled, SmolLM2-135M, 2 cores), so a row costs ~0.146 of a one-row step; a drafter block of 16 slots
@@ -182,7 +181,7 @@ class EngineCosts:
         drafter_scale = statistics.median(drafted) if drafted else target_scale
         self._warm, was = [], self.source
         if was == "cache":
-            if 1.0 / RESCALE_TOLERANCE <= target_scale <= RESCALE_TOLERANCE:
+            if speed_agrees(target_scale):
                 self.source = "cache-checked"
                 return False
             drafter_scale = target_scale  # another machine's speed: one factor, the file's shapes kept
