@@ -195,3 +195,9 @@ def test_speedup_ceiling_is_the_best_k_on_the_curve():
     assert speedup_ceiling(costs, 8, 0.5) == (1.0, 0)  # with 8 running a 50% token never pays
     eight, k = speedup_ceiling(costs, 8, 0.95)
     assert eight > 1.0 and 0 < k and eight < one  # a sure proposer still gains less under load
+
+
+@pytest.mark.parametrize("n, p", [(0, 0.5), (1, 1.5), (1, -0.1)])
+def test_speedup_ceiling_rejects_bad_values(n, p):
+    with pytest.raises(ValueError, match="speedup_ceiling needs"):
+        speedup_ceiling(_costs(), n, p)

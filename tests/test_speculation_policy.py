@@ -187,3 +187,9 @@ def test_goodput_calibrates_the_plans_it_chose_against_what_verification_accepte
         verified(accept_all=True)
     assert policy.calibration.scale("drafter") > 1.0
     assert verified(accept_all=True) >= trusting
+
+
+@pytest.mark.parametrize("values", [{"decay": 0.0}, {"strength": 0.0}, {"low": 1.5}, {"high": 0.5}])
+def test_plan_calibration_rejects_bad_values(values):
+    with pytest.raises(ValueError, match="PlanCalibration needs"):
+        PlanCalibration(**values)

@@ -302,6 +302,9 @@ def speedup_ceiling(cost_model: StepCostModel, num_requests: int, acceptance: fl
         speculation pays; the ratio is then 1).
     """
     n, p = int(num_requests), float(acceptance)
+    if n < 1 or not 0.0 <= p <= 1.0 or max_verified < 0:
+        raise ValueError(f"speedup_ceiling needs num_requests >= 1, acceptance in [0, 1] and max_verified >= 0; got "
+                         f"{num_requests}, {acceptance}, {max_verified}")
     ks = np.arange(int(max_verified) + 1)
     tokens = np.cumsum(p**ks)  # 1 + p + ... + p**k, per request
     seconds = np.asarray(cost_model.target_seconds(n * (1 + ks)), dtype=np.float64)

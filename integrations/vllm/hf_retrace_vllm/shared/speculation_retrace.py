@@ -87,6 +87,11 @@ class PlanCalibration:
     high: float = 2.0
     _sums: dict = field(default_factory=dict, repr=False)  # source -> [observed, predicted], decayed
 
+    def __post_init__(self):
+        if not (0.0 < self.decay <= 1.0 and self.strength > 0 and 0.0 < self.low <= 1.0 <= self.high):
+            raise ValueError(f"PlanCalibration needs 0 < decay <= 1, strength > 0 and 0 < low <= 1 <= high; got "
+                             f"decay={self.decay}, strength={self.strength}, low={self.low}, high={self.high}")
+
     def scale(self, source: str) -> float:
         observed, predicted = self._sums.get(source, (0.0, 0.0))
         return min(max((observed + self.strength) / (predicted + self.strength), self.low), self.high)
