@@ -1,9 +1,8 @@
-"""The drafter's part of an engine step, on vLLM's DFlash machinery: the context-K/V write of the step's `R` rows,
+"""The drafter's part of an engine step, on vLLM's DFlash machinery: the inputs of the step's `R` context rows,
 and the block forward (anchor + `B-1` mask slots a request) with its greedy drafts.
 
-The target's features of every verified row are written to the drafter's context K/V cache every step, lookup cycles
-included, so a lookup never leaves a hole in its context. `patches.HOOKS` and `patches.PRIVATE_ATTRIBUTES` list the
-vLLM methods and buffers used here.
+The context rows of steps without a block forward are kept and written later (context_kv.py). `patches.HOOKS` and
+`patches.PRIVATE_ATTRIBUTES` list the vLLM methods and buffers used here.
 """
 
 import torch
@@ -16,16 +15,6 @@ def prepare_block_inputs(proposer, step_inputs: dict):
     proposer.num_speculative_tokens = proposer.block_drafts  # the parent sizes blocks by it
     num_tokens, _, block_cad = proposer.set_inputs_first_pass(token_indices_to_sample=None, **step_inputs)
     return num_tokens, block_cad
-
-
-def write_context_kv(proposer, context_features: torch.Tensor, num_context: int) -> None:
-    """Writes the K/V of the step's `num_context` (`R`) rows of `[R, H]` context features to the drafter's cache
-    without running its forward (a step where no request drafts); `prepare_block_inputs` filled their positions and
-    slots."""
-    proposer.model.precompute_and_store_context_kv(
-        context_features, proposer._context_positions_buffer[:num_context],
-        proposer._context_slot_mapping_buffer[:num_context],
-    )  # fmt: skip
 
 
 def block_forward(proposer, num_tokens: int, block_cad, conditioning, timer) -> torch.Tensor:

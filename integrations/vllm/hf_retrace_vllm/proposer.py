@@ -13,8 +13,9 @@ Each engine step, for every request in the batch (in this order):
    against calibrated acceptance; `"fixed"` takes the first source that proposes, else the drafter).
 3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks); the
    policy then picks how many of a request's drafts are verified from their top-1 probabilities (`num_drafts`).
-   The target's features of every committed position are written to the drafter's context K/V cache every step,
-   lookup cycles included, so a lookup never leaves a hole in its context.
+   The target's features of every verified row go to the drafter's context K/V cache, lookup cycles included, so a
+   lookup never leaves a hole in its context: kept while no request drafts, written in one call before the next
+   block forward or when a request leaves (`DeferredContextKV`, context_kv.py).
 
 `propose()` runs these as steps: bookkeeping and plan (`_bookkeep`, `_plan`; bookkeeping.py), conditioning
 (`_conditioning`), the drafter run (`_run_drafter`; drafter_run.py), each timed into a `StepRecord` (steps.py) that
@@ -34,8 +35,9 @@ from .bookkeeping import (
     Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, read_step_batch, retained_suffix,
     verifies_previous,
 )  # fmt: skip
+from .context_kv import DeferredContextKV
 from .costs import EngineCosts, key_from_vllm_config
-from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs, write_context_kv
+from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs
 from .policy import DRAFTER, STATS_NAMES, DraftPolicy, policy_sources
 from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
@@ -96,6 +98,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.prediction = PredictionLedger()  # goodput: predicted beside measured steps
         self._planned: PlannedStep | None = None  # the last plan's prediction of the step that verifies it
         self._step_committed = 0  # tokens this step committed, over its requests
+        self.context_kv = DeferredContextKV(self.max_num_tokens)  # the drafter's context rows, written when due
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -257,18 +260,31 @@ class ReTraceDFlashProposer(DFlashProposer):
 
     def _run_drafter(self, plan: SpeculationPlan, drafting: dict, proposals, conditioning, req_ids,
                      step_inputs: dict) -> int:  # fmt: skip
-        """Writes this step's context K/V, and when a request drafts runs the block forward and fills its proposal
-        (and keeps its states for ReTrace). Returns the drafter slots run, `S` (0 when the forward is skipped)."""
+        """Keeps or writes this step's context K/V (context_kv.py), and when a request drafts runs the block forward
+        and fills its proposal (and keeps its states for ReTrace). Returns the drafter slots run, `S` (0 when the
+        forward is skipped)."""
         num_tokens, block_cad = prepare_block_inputs(self, step_inputs)
-        if not drafting:  # lookup cycles only: keep the drafter's context complete, skip its forward
-            num_context = step_inputs["target_token_ids"].shape[0]
-            write_context_kv(self, step_inputs["target_hidden_states"], num_context)
+        num_context = step_inputs["target_token_ids"].shape[0]
+        if not drafting:  # no block forward: keep the rows (written before the next one, or when due)
+            self.context_kv.add(
+                req_ids, step_inputs["target_hidden_states"], self._context_positions_buffer[:num_context],
+                self._context_slot_mapping_buffer[:num_context],
+            )  # fmt: skip
+            if self.context_kv.due(req_ids):
+                self._write_kept_context()
             self.clock.lap("context_kv")
             return 0
+        self._write_kept_context()  # older rows first: the block forward writes this step's rows after them
         hidden = block_forward(self, num_tokens, block_cad, conditioning, self.clock.lap)
         self.stats.drafter_forwards += 1
         self._take_drafts(hidden, plan, drafting, proposals, req_ids)
         return num_tokens
+
+    def _write_kept_context(self) -> None:
+        """Writes the context rows kept since the last write to the drafter's K/V cache."""
+        kept = self.context_kv.take()
+        if kept is not None:
+            self.model.precompute_and_store_context_kv(*kept)
 
     def _take_drafts(self, hidden: torch.Tensor, plan: SpeculationPlan, drafting: dict, proposals, req_ids) -> None:
         """Fills the drafting requests' proposals from the block forward's `[N, H]` states: the policy picks how many
