@@ -27,7 +27,8 @@ class StepRecord:
             one: the target's forward of the `R` rows, sampling, output processing and scheduling. `None` at the
             first step; it also holds any idle time between requests (a consumer filters those out).
         policy_seconds (`float`): bookkeeping of the verified cycles, lookups, ReTrace conditioning.
-        context_kv_seconds (`float`): the drafter's input preparation and the context-K/V write of the `R` rows.
+        context_kv_seconds (`float`): the drafter's input preparation, and the context-K/V write of the rows kept
+            since the last one when it is due (context_kv.py).
         drafter_seconds (`float`): the drafter's block forward and draft logits (0 when skipped).
         propose_seconds (`float`): the whole `propose()`.
     """
