@@ -34,8 +34,6 @@ class DeferredContextKV:
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
         self._req_ids: set = set()  # requests with kept rows
         self.num_rows = 0
-        self.writes = 0  # calls of the drafter's context write, for the stats
-        self.rows_written = 0
 
     def add(self, req_ids, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Keeps one step's rows: `features` `[R, H]` (`fc` of the target's features), `positions` and `slots` `[R]`
@@ -44,12 +42,12 @@ class DeferredContextKV:
         self._req_ids.update(req_ids)
         self.num_rows += features.shape[0]
 
-    def due(self, req_ids, next_rows: int = 0) -> bool:
+    def due(self, req_ids) -> bool:
         """Whether the kept rows must be written now: a request that has kept rows is not in this step's `req_ids`,
-        or `next_rows` more would pass `max_rows`."""
+        or they are more than `max_rows`."""
         if not self._steps:
             return False
-        return self.num_rows + next_rows > self.max_rows or not self._req_ids.issubset(req_ids)
+        return self.num_rows > self.max_rows or not self._req_ids.issubset(req_ids)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The kept rows to write, oldest first, one per cache slot (the newest), and forgets them. Returns
@@ -64,6 +62,4 @@ class DeferredContextKV:
             last = torch.full_like(unique, -1).scatter_reduce(0, inverse, order, reduce="amax")
             last = last.sort().values  # oldest first
             features, positions, slots = features[last], positions[last], slots[last]
-        self.writes += 1
-        self.rows_written += slots.numel()
         return features, positions, slots
