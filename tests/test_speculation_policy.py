@@ -106,6 +106,50 @@ def test_goodput_explores_a_drafter_it_stopped_running_and_recovers_from_a_bad_p
     assert float(costs.drafter_seconds(2 * BLOCK)) < 0.02  # the profile said 80 ms for two blocks
 
 
+def test_a_new_request_explores_the_drafter_at_once_when_its_forward_is_cheap():
+    """Its own drafter acceptance is unknown until it drafts; the global estimate says drafting does not pay. Where a
+    drafter forward is cheap beside a step, the request drafts at its first step left without drafts (once); where it
+    is dear, it waits for the periodic exploration."""
+    pessimist = AcceptanceEstimator(drafter_prior=0.02)
+    settings = resolve_settings({"speculation_policy": "goodput"}, BLOCK)
+    cheap = SpeculationPolicy(settings, [], BLOCK, _costs(row_ms=1.0, drafter_ms=4.0), pessimist)
+    ran = [cheap.plan([("a", np.array([1, 2, 3]), 10)]).drafting for _ in range(6)]
+    assert ran == [["a"], [], [], [], [], []], ran
+    cheap.finish("a")
+    assert cheap.plan([("a", np.array([1, 2, 3]), 10)]).drafting == ["a"]  # a new request with the same id
+    dear = SpeculationPolicy(settings, [], BLOCK, _costs(row_ms=1.0, drafter_ms=6.0),
+                             AcceptanceEstimator(drafter_prior=0.02))  # fmt: skip
+    assert not any(dear.plan([("a", np.array([1, 2, 3]), 10)]).drafting for _ in range(6))
+
+
+def test_goodput_learns_the_lookups_it_did_not_verify_from_the_tokens_committed_after_them():
+    """Rows are dear, so nothing is verified; prompt lookup's proposals are still scored against the target's next
+    tokens, across commits, and teach its estimate (up and down)."""
+    from hf_retrace.models.acceptance_retrace import ProposalFeatures
+
+    def estimate(policy):
+        return policy.estimator.estimate("prompt_lookup", ProposalFeatures.lookup(3, 4)).copy()
+
+    policy = _policy("goodput", _costs(row_ms=200.0, drafter_ms=500.0), prompt_lookup_num_tokens=4)
+    before = estimate(policy)
+    tokens = REPEATING  # ... 4 5 6: prompt lookup proposes 7 8 9 4
+    for _ in range(20):
+        plan = policy.plan([("a", tokens, 10)])
+        assert plan.action("a") == ("none",)
+        policy.commit("a", [7, 8])  # the first two proposed tokens, in two commits
+        policy.commit("a", [9, 4])
+        policy.finish("a")
+    learned_up = estimate(policy)
+    assert (learned_up > before + 0.2).all(), (before, learned_up)
+    for _ in range(20):
+        policy.plan([("a", tokens, 10)])
+        policy.commit("a", [7, 1])  # the second proposed token is not the target's
+    learned_down = estimate(policy)
+    assert learned_down[0] > before[0] and learned_down[1] < learned_up[1] - 0.2, (learned_up, learned_down)
+    policy.finish("a")
+    assert policy._shadows == {} and policy._lengths == {}
+
+
 def test_exploration_is_bounded_and_rejects_bad_values():
     policy = _policy("goodput", _costs(row_ms=200.0, drafter_ms=50.0), explore_every=4)
     runs = sum(bool(policy.plan([("a", np.array([1, 2, 3]), 10)]).drafting) for _ in range(40))

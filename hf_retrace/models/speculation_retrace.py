@@ -137,7 +137,11 @@ class SpeculationPolicy:
             for this many steps drafts (and verifies at least one draft) when the drafter runs anyway, and the
             drafter runs after this many steps without it. Without it, a pessimistic estimate or a step-cost profile
             taken under load would never be corrected: a drafter that never runs is never observed. It costs at
-            most one drafter forward per `explore_every` steps.
+            most one drafter forward per `explore_every` steps. A request whose drafts were never verified explores
+            at its first step left without drafts, if the drafter runs anyway or its block costs at most
+            `cheap_exploration` (0.3) of a plain step: how well the drafter does for this request (its ratio to the
+            global estimate) is known only once it drafted, and a request of a prompt family the estimates never
+            saw would otherwise wait `explore_every` steps to show it.
         whole_batch_drafter (`bool`, *optional*, defaults to `False`): the engine's drafter forward runs for the
             whole batch when any request drafts (vLLM's padded drafter batch): goodput charges it `d(n * B)`.
         calibration ([`PlanCalibration`], *optional*): goodput's correction of its chosen plans' estimates; a fresh
@@ -169,6 +173,10 @@ class SpeculationPolicy:
         # exploration (goodput): steps since the drafter last ran, for the engine and per request
         self.explore_every = int(explore_every)
         self._steps_without_drafter, self._since_draft, self._exploring = 0, {}, set()
+        self._drafted = set()  # requests that drafted at least once (their own drafter acceptance is observed)
+        # goodput: per request, the lookup proposals it did not verify ([`_shadow`]) and its committed length
+        self._shadows: dict = {}
+        self._lengths: dict = {}
         self.last_step: StepPlan | None = None  # the last final plan (goodput), its prediction beside the measure
 
     # -- one step ---------------------------------------------------------------------------------------------------
@@ -182,6 +190,9 @@ class SpeculationPolicy:
         step = plan_step(step_requests, self.cost_model, self._solver_estimator, self.block_size, self.max_verified,
                          self.max_rows, self.whole_batch_drafter)  # fmt: skip
         plan = SpeculationPlan(step=step)
+        for request, planned, (_, tokens, _) in zip(step_requests, step.requests, requests):
+            self._lengths[request.request_id] = len(tokens)
+            self._shadow(request, planned, len(tokens))
         for planned, (_, _, max_tokens) in zip(step.requests, requests):
             rid = planned.request_id
             if planned.source == DRAFTER:
@@ -197,21 +208,68 @@ class SpeculationPolicy:
         self.last_step = step
         return plan
 
+    def _shadow(self, request: StepRequest, planned, start: int) -> None:
+        """Keeps the lookup proposals the plan does not verify, to be scored against what the target commits next
+        ([`_score_shadows`]): a source the plan rarely picks is still learned, from every step it proposes. For a
+        fixed proposal, whether the target commits its token at a position is distributed as whether verification
+        would have accepted it there (greedy: the same event; sampling: both have the target's probability of it)."""
+        for proposal in request.proposals:
+            if proposal is not planned.proposal:
+                shadow = _Shadow(proposal.source, proposal.features, list(proposal.tokens), start)
+                self._shadows.setdefault(request.request_id, []).append(shadow)
+
+    def _score_shadows(self, request_id, new_tokens: list[int]) -> None:
+        """Advances `request_id`'s shadow proposals over `new_tokens` (committed from position `_lengths`); one that
+        met a different token or matched to its end teaches the estimator, like a verified proposal would."""
+        position, alive = self._lengths.get(request_id), []
+        for shadow in self._shadows.pop(request_id, []):
+            j = shadow.start + shadow.matched - (position if position is not None else -1)  # next token to compare
+            if position is None or j < 0:  # its tokens were never seen in order: drop it, learn nothing
+                continue
+            while j < len(new_tokens) and shadow.matched < len(shadow.tokens) and (
+                    new_tokens[j] == shadow.tokens[shadow.matched]):  # fmt: skip
+                shadow.matched, j = shadow.matched + 1, j + 1
+            if shadow.matched == len(shadow.tokens) or j < len(new_tokens):  # fully matched, or rejected at `matched`
+                self.estimator.update(shadow.source, shadow.features, shadow.matched, request_id)
+            else:
+                alive.append(shadow)
+        if alive:
+            self._shadows[request_id] = alive
+
+    cheap_exploration = 0.3  # a new request may start the drafter when that costs at most this share of t(n)
+
     def _explore(self, plan: SpeculationPlan, step_requests: list[StepRequest]) -> None:
-        """Adds exploring drafts to a goodput plan (see `explore_every`). Depends on step counts only, never on
-        sampled tokens, so sampling stays exact."""
+        """Adds exploring drafts to a goodput plan (see `explore_every`). Depends on step counts and on which requests
+        drafted before, never on sampled tokens, so sampling stays exact."""
         drafter_runs = bool(plan.drafting)
         self._steps_without_drafter = 0 if drafter_runs else self._steps_without_drafter + 1
         force = self._steps_without_drafter >= self.explore_every
+        cheap = None  # whether a new request may start the drafter forward itself, computed once if needed
         for request in step_requests:
             rid, since = request.request_id, self._since_draft.get(request.request_id, 0)
-            if plan.actions[rid][0] == "none" and request.can_draft and (force or drafter_runs) and (
-                    force or since + 1 >= self.explore_every):  # fmt: skip
-                plan.actions[rid] = ("draft", min(self.num_assistant_tokens, request.max_tokens))
-                self._exploring.add(rid)
-            self._since_draft[rid] = 0 if plan.actions[rid][0] == "draft" else since + 1
-        if force:
+            new = rid not in self._drafted
+            if plan.actions[rid][0] == "none" and request.can_draft:
+                if new and not (force or drafter_runs) and cheap is None:
+                    cheap = self._cheap_to_explore(len(step_requests))
+                due = force or (drafter_runs and (new or since + 1 >= self.explore_every)) or (new and cheap)
+                if due:
+                    plan.actions[rid] = ("draft", min(self.num_assistant_tokens, request.max_tokens))
+                    self._exploring.add(rid)
+                    drafter_runs = True  # the others of the batch may explore on this forward
+            if plan.actions[rid][0] == "draft":
+                self._since_draft[rid] = 0
+                self._drafted.add(rid)
+            else:
+                self._since_draft[rid] = since + 1
+        if force or drafter_runs:
             self._steps_without_drafter = 0
+
+    def _cheap_to_explore(self, num_requests: int) -> bool:
+        """Whether one exploring block (a drafter forward for this batch, and the row of the draft it verifies) costs
+        at most `cheap_exploration` of a plain target step of the batch."""
+        slots = self.block_size * (num_requests if self.whole_batch_drafter else 1)
+        cost = float(self.cost_model.drafter_seconds(slots)) + self.cost_model.marginal_row_cost(num_requests)
+        return cost <= self.cheap_exploration * float(self.cost_model.target_seconds(num_requests))
 
     def _fixed_action(self, rid, tokens: np.ndarray, max_tokens: int) -> tuple:
         if max_tokens <= 0:
@@ -306,6 +364,10 @@ class SpeculationPolicy:
     def commit(self, request_id, new_tokens) -> None:
         """Tokens the target committed for `request_id` (the learning sources index them)."""
         new_tokens = [int(t) for t in np.asarray(new_tokens).reshape(-1)]
+        if request_id in self._shadows:
+            self._score_shadows(request_id, new_tokens)
+        if request_id in self._lengths:
+            self._lengths[request_id] += len(new_tokens)
         if new_tokens:
             for source in self.sources:
                 source.commit(request_id, new_tokens)
@@ -317,6 +379,21 @@ class SpeculationPolicy:
         self.estimator.forget(request_id)
         self._pending.pop(request_id, None)
         self._since_draft.pop(request_id, None)
+        self._drafted.discard(request_id)
+        self._shadows.pop(request_id, None)
+        self._lengths.pop(request_id, None)
+
+
+@dataclass
+class _Shadow:
+    """A lookup proposal the plan did not verify: its estimator source and features, its tokens, the position of its
+    first token, and how many of them the target has committed so far."""
+
+    source: str
+    features: ProposalFeatures
+    tokens: list
+    start: int
+    matched: int = 0
 
 
 def _head(features: ProposalFeatures, k: int) -> ProposalFeatures:
