@@ -37,7 +37,7 @@ import numpy as np
 
 from .acceptance_retrace import AcceptanceEstimator, ProposalFeatures
 from .cost_model_retrace import StepCostModel
-from .goodput_retrace import DRAFTER, StepPlan, StepRequest, choose_num_verified, plan_step
+from .goodput_retrace import DRAFTER, RequestPlan, StepPlan, StepRequest, choose_num_verified, plan_step
 from .policy_settings_retrace import num_confident
 from .sources_retrace import CandidateSource, propose_from_sources
 
@@ -190,11 +190,10 @@ class SpeculationPolicy:
         step = plan_step(step_requests, self.cost_model, self._solver_estimator, self.block_size, self.max_verified,
                          self.max_rows, self.whole_batch_drafter)  # fmt: skip
         plan = SpeculationPlan(step=step)
-        for request, planned, (_, tokens, _) in zip(step_requests, step.requests, requests):
-            self._lengths[request.request_id] = len(tokens)
-            self._shadow(request, planned, len(tokens))
-        for planned, (_, _, max_tokens) in zip(step.requests, requests):
+        for request, planned, (_, tokens, max_tokens) in zip(step_requests, step.requests, requests):
             rid = planned.request_id
+            self._lengths[rid] = len(tokens)
+            self._shadow(request, planned, len(tokens))
             if planned.source == DRAFTER:
                 plan.actions[rid] = ("draft", min(self.num_assistant_tokens, int(max_tokens)))
             elif planned.source is not None and planned.num_verified > 0:
@@ -208,7 +207,7 @@ class SpeculationPolicy:
         self.last_step = step
         return plan
 
-    def _shadow(self, request: StepRequest, planned, start: int) -> None:
+    def _shadow(self, request: StepRequest, planned: RequestPlan, start: int) -> None:
         """Keeps the lookup proposals the plan does not verify, to be scored against what the target commits next
         ([`_score_shadows`]): a source the plan rarely picks is still learned, from every step it proposes. For a
         fixed proposal, whether the target commits its token at a position is distributed as whether verification
@@ -221,10 +220,10 @@ class SpeculationPolicy:
     def _score_shadows(self, request_id, new_tokens: list[int]) -> None:
         """Advances `request_id`'s shadow proposals over `new_tokens` (committed from position `_lengths`); one that
         met a different token or matched to its end teaches the estimator, like a verified proposal would."""
-        position, alive = self._lengths.get(request_id), []
+        position, alive = self._lengths[request_id], []  # `plan` set it before keeping any shadow
         for shadow in self._shadows.pop(request_id, []):
-            j = shadow.start + shadow.matched - (position if position is not None else -1)  # next token to compare
-            if position is None or j < 0:  # its tokens were never seen in order: drop it, learn nothing
+            j = shadow.start + shadow.matched - position  # index in `new_tokens` of the next token to compare
+            if j < 0:  # its tokens were never seen in order: drop it, learn nothing
                 continue
             while j < len(new_tokens) and shadow.matched < len(shadow.tokens) and (
                     new_tokens[j] == shadow.tokens[shadow.matched]):  # fmt: skip
