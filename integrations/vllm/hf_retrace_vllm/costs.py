@@ -7,7 +7,7 @@ Where the model comes from, in order:
    drafter); a file for another host or configuration, or a corrupt one, is re-measured, never trusted. Machines
    that share a CPU model name still differ in speed (clock, memory, neighbours), so the file's curves are checked
    against the first `WARM_STEPS` decode steps too, and rescaled to them when off by more than `RESCALE_TOLERANCE`;
-2. the start-up profile's samples (profile.py, when `HF_RETRACE_VLLM_PROFILE=1`);
+2. the start-up profile's samples (profile.py; on unless `HF_RETRACE_VLLM_PROFILE=0`);
 3. else a prior of the right shape (`prior_model`), scaled to this host by the first observed steps.
 
 Every engine step refreshes it online from the proposer's `StepRecord` (steps.py): the step's wall time less the

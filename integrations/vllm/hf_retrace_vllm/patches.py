@@ -14,7 +14,7 @@ Hook points (vLLM 0.32.0):
    `SpecDecodeBaseProposer.propose`'s arguments, and `DFlashQwen3ForCausalLM`'s methods, which the proposer and the
    model build on; the attributes in `PRIVATE_ATTRIBUTES` and `ASSIGNED`, read on vLLM's objects at run time.
 4. `CPUWorker.compile_or_warm_up_model`: after vLLM's warm-up, an hf-retrace proposer gets its start-up profile of
-   step costs (profile.py; on with `HF_RETRACE_VLLM_PROFILE=1`).
+   step costs (profile.py; skipped with `HF_RETRACE_VLLM_PROFILE=0`).
 """
 
 import functools

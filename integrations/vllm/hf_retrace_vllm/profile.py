@@ -7,9 +7,15 @@ Once the engine has warmed up and allocated its KV cache (after the worker's `co
 - the drafter's block forward at a grid of `S` query slots (whole blocks of `B`), plus the logits of the `k`
   drafts a block proposes.
 The context-K/V write, sampling and scheduling are not in these samples; the proposer's `StepRecord`s time the
-real steps, so a model can be refreshed online. Each point is the median of a few runs after one warm-up run.
-Off unless `HF_RETRACE_VLLM_PROFILE=1` until its start-up cost is measured on a quiet host (it is meant to take a
-few seconds for a small model on 2 cores, then to become the default, skipped by `HF_RETRACE_VLLM_PROFILE=0`).
+real steps, so the model is refreshed online.
+
+Each size is called once untimed, then timed in `repeats` rounds that visit every size in turn: a load spike on a
+shared host then slows one round of all sizes, not every sample of one size, and the median per size drops it. The
+row grid is fine where a batch-1 request's verification lives (1 to 1 + K rows), since that is where the policy
+weighs one more row against its acceptance.
+
+On by default (a few seconds on 2 cores for a small target, beside minutes of vLLM start-up); skipped with
+`HF_RETRACE_VLLM_PROFILE=0`, and whenever this host's cache file already holds the configuration's curves.
 """
 
 import os
@@ -28,7 +34,7 @@ from . import patches
 logger = init_logger(__name__)
 
 PROFILE_ENV = "HF_RETRACE_VLLM_PROFILE"
-TARGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+TARGET_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
 
 
@@ -49,17 +55,21 @@ class StartupProfile:
 
 
 def is_enabled() -> bool:
-    return os.environ.get(PROFILE_ENV, "0") != "0"
+    return os.environ.get(PROFILE_ENV, "1") != "0"
 
 
-def _median_seconds(run, repeats: int) -> float:
-    run()  # warm-up: first calls of a shape allocate (and, compiled, may specialise)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(runs: dict, repeats: int, clock=time.perf_counter) -> list[tuple[int, float]]:
+    """`(size, median seconds)` of `runs[size]()` for every size, in `runs`' order: one untimed call each (first
+    calls of a shape allocate and, compiled, may specialise), then `repeats` timed rounds over all sizes in turn."""
+    for run in runs.values():
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {size: [] for size in runs}
+    for _ in range(repeats):
+        for size, run in runs.items():
+            start = clock()
+            run()
+            times[size].append(clock() - start)
+    return [(size, statistics.median(seconds)) for size, seconds in times.items()]
 
 
 @contextmanager
@@ -72,39 +82,35 @@ def _without_drafter_dummy_run(drafter):
         del drafter.dummy_run  # back to the class's method
 
 
-def target_samples(runner, rows=TARGET_ROWS, repeats: int = 3) -> list[tuple[int, float]]:
+def target_samples(runner, rows=TARGET_ROWS, repeats: int = 5) -> list[tuple[int, float]]:
     """`(R, seconds)` of the target's step for `R` rows: a uniform spec-decode dummy batch and its logits."""
     per_request = runner.uniform_decode_query_len  # 1 + K
     most = min(runner.max_num_tokens, runner.scheduler_config.max_num_seqs * per_request)
-    samples = []
+
+    def step(num_rows):
+        hidden, _ = runner._dummy_run(num_rows, force_attention=True, uniform_decode=True)
+        runner.model.compute_logits(hidden[:num_rows])
+
+    runs = {r: (lambda r=r: step(r)) for r in rows if r <= most}
     with torch.inference_mode(), _without_drafter_dummy_run(runner.drafter):
-        for num_rows in [r for r in rows if r <= most]:
-
-            def step(num_rows=num_rows):
-                hidden, _ = runner._dummy_run(num_rows, force_attention=True, uniform_decode=True)
-                runner.model.compute_logits(hidden[:num_rows])
-
-            samples.append((num_rows, _median_seconds(step, repeats)))
-    return samples
+        return interleaved_medians(runs, repeats)
 
 
-def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = 3) -> list[tuple[int, float]]:
+def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = 5) -> list[tuple[int, float]]:
     """`(S, seconds)` of the drafter's block forward of `S` slots (no attention metadata: vLLM's dummy-forward
     way, so its context attention is not in the samples) and the logits of `k` drafts a block."""
     block, drafts = proposer.policy.block_size, proposer.num_drafts_verified
-    samples = []
+
+    def forward(num_blocks):
+        slots = num_blocks * block
+        with set_forward_context(None, proposer.vllm_config, num_tokens=slots):
+            hidden = proposer.model(input_ids=proposer.input_ids[:slots], positions=proposer.positions[:slots])
+        states = hidden.view(num_blocks, block, -1)[:, 1 : 1 + drafts]
+        proposer.model.compute_logits(states.reshape(-1, states.shape[-1]))
+
+    runs = {n * block: (lambda n=n: forward(n)) for n in blocks if n * block <= proposer.max_query_tokens}
     with torch.inference_mode():
-        for num_blocks in [n for n in blocks if n * block <= proposer.max_query_tokens]:
-            slots = num_blocks * block
-
-            def forward(slots=slots, num_blocks=num_blocks):
-                with set_forward_context(None, proposer.vllm_config, num_tokens=slots):
-                    hidden = proposer.model(input_ids=proposer.input_ids[:slots], positions=proposer.positions[:slots])
-                states = hidden.view(num_blocks, block, -1)[:, 1 : 1 + drafts]
-                proposer.model.compute_logits(states.reshape(-1, states.shape[-1]))
-
-            samples.append((slots, _median_seconds(forward, repeats)))
-    return samples
+        return interleaved_medians(runs, repeats)
 
 
 def profile_step_costs(runner) -> StartupProfile:

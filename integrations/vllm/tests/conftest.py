@@ -4,11 +4,14 @@ The exported folders come from the project's own exporter, run in the project's 
 (`HF_RETRACE_PYTHON`, default `.venv/bin/python -m hf_retrace.cli` of this checkout), since this venv has no hf_retrace.
 """
 
+import atexit
 import gc
 import json
 import os
 import shlex
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # without a bind vLLM computes on one core
+# the proposer's step-cost files (keyed by each test's temporary drafter path) go to a cache of this run, not the
+# user's: no test reads a file an earlier run left, and ~/.cache/hf_retrace/cost does not fill with dead files
+os.environ["HF_RETRACE_CACHE"] = tempfile.mkdtemp(prefix="hf-retrace-test-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_RETRACE_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[3]
 TARGET = Path(os.environ.get("HF_RETRACE_TARGET", "~/.cache/hf_retrace/smollm2-135m-instruct")).expanduser()

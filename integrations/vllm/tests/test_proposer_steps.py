@@ -41,6 +41,27 @@ def test_profile_is_skipped_when_disabled(monkeypatch):
     assert drafter.startup_profile is None
 
 
+def test_profile_is_on_by_default(monkeypatch):
+    monkeypatch.delenv(profile.PROFILE_ENV, raising=False)
+    assert profile.is_enabled()
+
+
+def test_profile_rounds_visit_every_size_in_turn_and_drop_a_spike():
+    """A load spike during one round slows that round's calls, whatever their size; the median per size drops it."""
+    calls, now = [], [0.0]
+    cost = {1: 1.0, 2: 1.5, 4: 2.0}
+
+    def run(size):
+        calls.append(size)
+        spike = 10.0 if len(calls) in (4, 5) else 0.0  # calls 4 and 5: the first timed round's 1 and 2 rows
+        now[0] += cost[size] + spike
+
+    runs = {size: (lambda size=size: run(size)) for size in cost}
+    samples = profile.interleaved_medians(runs, repeats=3, clock=lambda: now[0])
+    assert calls == [1, 2, 4] + [1, 2, 4] * 3  # one untimed call each, then whole rounds
+    assert samples == [(1, 1.0), (2, 1.5), (4, 2.0)]
+
+
 @pytest.fixture(scope="module")
 def engine_run(target, tmp_path_factory, monkeypatch_module):
     """One short generation in an in-process engine (so the proposer is reachable) with a random drafter:
@@ -95,7 +116,7 @@ def test_startup_profile_grows_with_rows_and_slots(engine_run):
     proposer, _ = engine_run
     result = proposer.startup_profile
     assert result is not None, "no start-up profile after vLLM's warm-up"
-    assert [r for r, _ in result.target] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [r for r, _ in result.target] == list(profile.TARGET_ROWS)
     assert [s for s, _ in result.drafter] == [BLOCK * n for n in profile.DRAFTER_BLOCKS]
     assert all(t > 0 for _, t in result.target + result.drafter)
     assert _grows(result.target) and _grows(result.drafter), result
