@@ -72,6 +72,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from hf_retrace.data.assets import default_target_cache_dir, load_default_target
 from serving_engines import (
     HfEngine, VllmWorker, card_with_settings, export_card, plugin_available, vllm_available, vllm_preload_env,
 )  # fmt: skip
@@ -83,7 +84,8 @@ from serving_records import GREEDY, SAMPLED, Batch, block_key, check_lossless, l
 from serving_report import PLOT, plot, preload_warning, render_markdown, write_outputs
 
 
-DEFAULT_TARGET = Path.home() / ".cache" / "hf_retrace" / "smollm2-135m-instruct"
+# the default target's cache folder (`$HF_RETRACE_CACHE` or `~/.cache/hf_retrace`), made on first use
+DEFAULT_TARGET = default_target_cache_dir()
 # untimed warmup request: token ids of no benched prompt, so a method that learns from past requests (vLLM's suffix
 # decoding adds every prompt and response to its tree) learns nothing about the prompts it is then timed on
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
@@ -144,9 +146,11 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--num-prompts-per-set, --rounds and --max-new-tokens must be >= 1, --prompt-factor >= 0")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.target == str(DEFAULT_TARGET) and not Path(args.target, "config.json").is_file():
+        load_default_target()  # dequantizes the shipped GGUF into DEFAULT_TARGET (one-time)
     if not Path(args.target, "config.json").is_file():
-        parser.error(f"--target {args.target} has no config.json (make the default with "
-                     "`.venv/bin/python -c 'from hf_retrace.data.assets import load_default_target as l; l()'`)")
+        parser.error(f"--target {args.target} has no config.json: pass a save_pretrained folder of the target, "
+                     "or leave --target out for the default (made on first use)")
     return args
 
 
