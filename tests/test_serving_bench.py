@@ -114,6 +114,26 @@ def test_parse_args_usage_errors(target, argv):
     assert error.value.code == 2
 
 
+def test_parse_args_makes_the_default_target_once_and_refuses_a_missing_one(tmp_path, monkeypatch, capsys):
+    default = tmp_path / "default"
+    made = []
+
+    def fake_load_default_target():
+        made.append(True)
+        default.mkdir()
+        (default / "config.json").write_text("{}")
+
+    monkeypatch.setattr(serving, "DEFAULT_TARGET", default)
+    monkeypatch.setattr(serving, "load_default_target", fake_load_default_target)
+    assert serving.parse_args(["--target", str(default)]).target == str(default)
+    assert serving.parse_args(["--target", str(default)]).target == str(default)
+    assert made == [True]
+    with pytest.raises(SystemExit) as error:
+        serving.parse_args(["--target", str(tmp_path / "elsewhere")])
+    assert error.value.code == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
 def test_quick_estimate_is_a_fraction_of_the_full_one(target):
     def estimate(argv):
         args = serving.parse_args(["--target", target, *argv])
