@@ -20,13 +20,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # without a bind vLLM computes on one core
+# the default target sits where hf_retrace caches it (scripts/test-vllm.sh makes it there): the user's cache, read
+# before the line below points HF_RETRACE_CACHE at this run's own
+USER_CACHE = os.environ.get("HF_RETRACE_CACHE") or "~/.cache/hf_retrace"
 # the proposer's step-cost files (keyed by each test's temporary drafter path) go to a cache of this run, not the
 # user's: no test reads a file an earlier run left, and ~/.cache/hf_retrace/cost does not fill with dead files
 os.environ["HF_RETRACE_CACHE"] = tempfile.mkdtemp(prefix="hf-retrace-test-cache-")
 atexit.register(shutil.rmtree, os.environ["HF_RETRACE_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[3]
-TARGET = Path(os.environ.get("HF_RETRACE_TARGET", "~/.cache/hf_retrace/smollm2-135m-instruct")).expanduser()
+TARGET = Path(os.environ.get("HF_RETRACE_TARGET") or f"{USER_CACHE}/smollm2-135m-instruct").expanduser()
 HF_RETRACE_PYTHON = os.environ.get("HF_RETRACE_PYTHON", f"{REPO}/.venv/bin/python -m hf_retrace.cli")
 
 # Prompts with repeats (prompt lookup), common phrasing (datastore) and free text (the drafter).
