@@ -159,7 +159,9 @@ def _force_costs(target, folder, model):
 def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodput_folder, plain_short, engine_env):
     outputs, proposer, stats = _run(target, goodput_folder, engine_env / "stats.json")
     assert outputs == plain_short
-    assert proposer.costs.source == "prior-scaled" and proposer.costs.path.exists()  # saved once scaled
+    # profiled at start-up, the default (the prior's path is unit-tested above), and saved
+    assert proposer.costs.source == "profile" and proposer.costs.path.exists()
+    assert proposer.costs.model.target_seconds(8) > proposer.costs.model.target_seconds(1) > 0
     assert stats["online_datastore_bytes"] > 0, stats
     online = proposer.online_datastore  # every finished request freed, its response in the global index
     assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
