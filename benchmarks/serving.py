@@ -72,7 +72,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hf_retrace.data.assets import default_target_cache_dir, load_default_target
+from hf_retrace.data.assets import default_target_cache_dir, ensure_default_target
 from serving_engines import (
     HfEngine, VllmWorker, card_with_settings, export_card, plugin_available, vllm_available, vllm_preload_env,
 )  # fmt: skip
@@ -146,8 +146,8 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--num-prompts-per-set, --rounds and --max-new-tokens must be >= 1, --prompt-factor >= 0")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
-    if args.target == str(DEFAULT_TARGET) and not Path(args.target, "config.json").is_file():
-        load_default_target()  # dequantizes the shipped GGUF into DEFAULT_TARGET (one-time)
+    if args.target == str(DEFAULT_TARGET):
+        ensure_default_target(DEFAULT_TARGET)  # dequantizes the shipped GGUF there on first use
     if not Path(args.target, "config.json").is_file():
         parser.error(f"--target {args.target} has no config.json: pass a save_pretrained folder of the target, "
                      "or leave --target out for the default (made on first use)")

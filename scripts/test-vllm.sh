@@ -8,7 +8,7 @@ scripts/setup.sh
 scripts/setup-vllm.sh
 # The tests export the shipped cards with this checkout's `hf-retrace export` (in .venv) and run them on the default
 # target, dequantized once into ~/.cache/hf_retrace by the project's own loader.
-HF_HUB_OFFLINE=1 .venv/bin/python -c "from hf_retrace.data.assets import load_default_target; load_default_target()" \
+HF_HUB_OFFLINE=1 .venv/bin/python -c "from hf_retrace.data.assets import ensure_default_target; ensure_default_target()" \
   >/dev/null 2>&1
 # The engines run as vLLM's CPU guide asks (tcmalloc and Intel OpenMP preloaded, threads bound; scripts/vllm-env.sh).
 source scripts/vllm-env.sh

@@ -118,13 +118,15 @@ def test_parse_args_makes_the_default_target_once_and_refuses_a_missing_one(tmp_
     default = tmp_path / "default"
     made = []
 
-    def fake_load_default_target():
-        made.append(True)
-        default.mkdir()
-        (default / "config.json").write_text("{}")
+    def fake_ensure_default_target(folder):
+        if not (folder / "config.json").is_file():
+            made.append(True)
+            folder.mkdir()
+            (folder / "config.json").write_text("{}")
+        return folder
 
     monkeypatch.setattr(serving, "DEFAULT_TARGET", default)
-    monkeypatch.setattr(serving, "load_default_target", fake_load_default_target)
+    monkeypatch.setattr(serving, "ensure_default_target", fake_ensure_default_target)
     assert serving.parse_args(["--target", str(default)]).target == str(default)
     assert serving.parse_args(["--target", str(default)]).target == str(default)
     assert made == [True]

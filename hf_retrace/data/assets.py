@@ -51,16 +51,23 @@ def _materialize(folder: Path) -> None:
     tmp.rename(folder)  # atomic: a half-written cache is never picked up
 
 
+def ensure_default_target(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The default target's `save_pretrained` folder (`cache_dir`, else [`default_target_cache_dir`]), dequantized
+    from the shipped GGUF on the first call; for tools that read the folder themselves (vLLM, the serving bench)."""
+    folder = Path(cache_dir) if cache_dir is not None else default_target_cache_dir()
+    if not (folder / "config.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _materialize(folder)
+    return folder
+
+
 def load_default_target(dtype: torch.dtype = torch.bfloat16, cache_dir: str | os.PathLike | None = None):
     """Loads SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152) fully offline.
 
     Returns:
         `(model, tokenizer)`, the model in eval mode and `dtype`.
     """
-    folder = Path(cache_dir) if cache_dir is not None else default_target_cache_dir()
-    if not (folder / "config.json").is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        _materialize(folder)
+    folder = ensure_default_target(cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer

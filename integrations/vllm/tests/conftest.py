@@ -59,7 +59,7 @@ def export_card(card: str, out_dir: Path) -> Path:
 def target() -> str:
     if not (TARGET / "config.json").is_file():
         # a failure, not a skip: without the target the lossless checks would silently not run
-        pytest.fail(f"no target at {TARGET}: scripts/test-vllm.sh makes it (hf_retrace.data.assets.load_default_target)")
+        pytest.fail(f"no target at {TARGET}: scripts/test-vllm.sh makes it (hf_retrace.data.assets.ensure_default_target)")
     return str(TARGET)
 
 
