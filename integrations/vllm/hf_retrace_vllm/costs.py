@@ -19,7 +19,6 @@ numpy and the standard library only (with the shared `cost_model_retrace.py`), s
 
 import atexit
 import hashlib
-import logging
 import os
 import statistics
 import weakref
@@ -27,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .logs import get_logger
 from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel, default_cache_path, host_key, speed_agrees
 
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 VLLM_EXTRA = "vllm-0.32"
 SAVE_EVERY = 500  # refreshes between saves of the cache file

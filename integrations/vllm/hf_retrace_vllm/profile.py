@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.forward_context import set_forward_context
-from vllm.logger import init_logger
 
 from . import patches
+from .logs import get_logger
 
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 PROFILE_ENV = "HF_RETRACE_VLLM_PROFILE"
 TARGET_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)

@@ -27,7 +27,6 @@ and `max_model_len`); drafter cycles at most `num_assistant_tokens` of them, a s
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from . import patches
@@ -38,6 +37,7 @@ from .bookkeeping import (
 from .context_kv import DeferredContextKV
 from .costs import EngineCosts, key_from_vllm_config
 from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs
+from .logs import get_logger
 from .policy import DRAFTER, STATS_NAMES, DraftPolicy, policy_sources
 from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
@@ -46,7 +46,7 @@ from .stats import ProposerStats
 from .steps import PlannedStep, PredictionLedger, StepClock, StepRecord
 
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class ReTraceDFlashProposer(DFlashProposer):
