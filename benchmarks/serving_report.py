@@ -180,8 +180,9 @@ def _prediction_lines(rows: list[dict]) -> list[str]:
         return []
     lines = ["", "## Cost-aware policy: predicted beside measured (greedy, pooled)", "",
              "Per step whose batch was the planned one: the target's part `t(R)` (ms), and the proposed tokens "
-             "accepted per request (committed tokens less the one each request commits anyway); per drafter forward: `d(S)` "
-             "of the slots the plan drafted for beside the forward's measured time.", "",
+             "accepted per request (committed tokens less the one each request commits anyway); per drafter forward: the "
+             "cost model's `d(S)` of the slots that ran (the whole padded batch; exploring forwards too) beside the "
+             "forward's measured time.", "",
              "| method | mode | C | steps | t(R) predicted ms | measured ms | accepted/request predicted | measured "
              "| drafter forwards | d(S) predicted ms | measured ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -308,8 +308,9 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.clock.lap("policy")
 
     def _check_prediction(self, step: StepBatch) -> None:
-        """Under goodput: the previous plan's prediction against this step, and this plan's drafter prediction
-        (`d(S)` of the slots it planned; the forward runs for the whole batch, `StepRecord.drafter_slots`)."""
+        """Under goodput: the previous plan's prediction against this step, and the cost model's `d(S)` of this
+        step's drafter forward beside its time (`S`: the slots that ran, the whole padded batch; an exploring forward,
+        which no plan priced, included)."""
         if self.speculation.kind != "goodput":
             return
         model = self.costs.model
@@ -321,8 +322,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             planned_ids = frozenset(r.request_id for r in final.requests)
             self._planned = PlannedStep(planned_ids, final.rows, float(model.target_seconds(final.rows)),
                                         final.expected_tokens)  # fmt: skip
-        if self.last_step.drafter_slots:
-            predicted = model.drafter_seconds(final.drafter_slots) if final is not None and final.drafter_slots else 0.0
+        if self.last_step.drafter_slots:  # the model's price of the forward that ran: exploring ones had no plan
+            predicted = model.drafter_seconds(self.last_step.drafter_slots)
             self.prediction.add_drafter(predicted, self.last_step.drafter_seconds)
         self.stats.prediction = self.prediction.as_dict()
 

@@ -133,7 +133,8 @@ class PredictionLedger:
         return True
 
     def add_drafter(self, predicted: float, measured: float) -> None:
-        """The drafter's forward of this step: predicted `d(S)` of the plan's slots, and its measured seconds."""
+        """The drafter's forward of this step: the cost model's `d(S)` of the slots that ran, and its measured
+        seconds."""
         self.drafter_steps += 1
         self.drafter_predicted += float(predicted)
         self.drafter_measured += float(measured)
