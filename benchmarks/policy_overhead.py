@@ -5,12 +5,13 @@ committed tokens), with no model in the loop.
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/policy_overhead.py [--concurrency 1,8,32] [--steps 200]
 
 The policy is the shipped card's (`model_cards/smollm2-135m-dflash`: prompt lookup, its 1.75M-token datastore and the
-online datastore, 8 tokens each, `speculation_policy="goodput"`), over a fixed step-cost model: up to 16 rows and a 16-slot drafter
-block, the curve vLLM's start-up profile measured on a 2-core AVX2 host (47.6 ms for 1 row to 119.3 ms for 16, 9.9 ms
-for the block); past them, rounded extrapolations, enough to rank the plans alike on every run. Requests start from prompts of the unseen families (codeio, knights_knaves; ~1,000 tokens), and each step
-commits a seeded stand-in for the target's answer: a run of 1 to 4 prompt tokens (copying, as these families do) or
-one random token, and the drafter's confidences are seeded draws. So the work per step is realistic (lookups match,
-the online index grows, both plan stages run) and identical from run to run.
+online datastore, 8 tokens each, `speculation_policy="goodput"`), over a fixed step-cost model: up to 16 rows and a
+16-slot drafter block, the curve vLLM's start-up profile measured on a 2-core AVX2 host (47.6 ms for 1 row to 119.3 ms
+for 16, 9.9 ms for the block); past them, rounded extrapolations, enough to rank the plans alike on every run.
+Requests start from prompts of the unseen families (codeio, knights_knaves; ~1,000 tokens), and each step commits a
+seeded stand-in for the target's answer: a run of 1 to 4 prompt tokens (copying, as these families do) or one random
+token, and the drafter's confidences are seeded draws. So the work per step is realistic (lookups match, the online
+index grows, both plan stages run) and identical from run to run.
 
 Prints ms per step (median of `--repeats` timed runs after a warm-up) and per request, and a digest of every plan
 taken: a change that only makes the policy faster must leave the digest as it was.
