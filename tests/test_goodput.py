@@ -121,7 +121,7 @@ def test_greedy_prefix_matches_brute_force(seed):
         return expected / costs.target_seconds(3 + sum(counts))
 
     best = max(rate(c) for c in itertools.product(range(4), repeat=3))
-    assert plan.tokens_per_second == pytest.approx(best)
+    assert plan.goodput == pytest.approx(best)
 
 
 def test_caps_max_tokens_max_verified_and_max_rows():
@@ -133,6 +133,35 @@ def test_caps_max_tokens_max_verified_and_max_rows():
     assert capped.rows == 5
     none_left = _plan(_lookups(1, k=8, max_tokens=0), FixedEstimator(lookup=0.99))
     assert none_left.requests[0].num_verified == 0
+
+
+def test_prefill_rows_in_the_step_leave_only_sure_tokens_worth_verifying():
+    """Prompt rows that the step also runs count as work done: with 300 of them, a verified row (2.8 ms) must beat
+    one row's worth of the step's rate, so p = 0.8 no longer pays; alone its first two tokens do (survival 0.8, 0.64
+    against 4 / t(4) x 2.8 ms = 0.41)."""
+    estimator = FixedEstimator(lookup=0.8)
+    alone = _plan(_lookups(4), estimator)
+    assert [r.num_verified for r in alone.requests] == [2, 2, 2, 2] and alone.prefill_rows == 0
+    beside = _plan(_lookups(4), estimator, prefill_rows=300)
+    assert [r.num_verified for r in beside.requests] == [0, 0, 0, 0]
+    assert beside.rows == 304 and beside.prefill_rows == 300
+    assert beside.expected_tokens == pytest.approx(4.0)  # E counts the requests' tokens only
+    assert beside.expected_seconds == pytest.approx(_costs().target_seconds(304))
+    assert beside.goodput == pytest.approx(304 / _costs().target_seconds(304))
+    sure = _plan(_lookups(4), FixedEstimator(lookup=0.999), prefill_rows=300)
+    assert all(r.num_verified == 4 for r in sure.requests)
+
+
+def test_under_a_row_budget_a_verified_token_displaces_prefill():
+    """Within `max_rows` the prefill gets the rows verification leaves: a token that may be rejected loses work even
+    when rows are nearly free; a sure one (p = 1) costs nothing, since its row commits as a prefill row would."""
+    cheap = _costs(row_ms=0.01)
+    free = _plan(_lookups(2), FixedEstimator(lookup=0.9), cheap, prefill_rows=50)
+    assert all(r.num_verified == 4 for r in free.requests)  # no budget: a 0.01 ms row pays at p = 0.9
+    budget = _plan(_lookups(2), FixedEstimator(lookup=0.9), cheap, prefill_rows=50, max_rows=40)
+    assert [r.num_verified for r in budget.requests] == [0, 0] and budget.rows == 40 and budget.prefill_rows == 38
+    room = _plan(_lookups(2), FixedEstimator(lookup=0.9), cheap, prefill_rows=30, max_rows=40)
+    assert all(r.num_verified == 4 for r in room.requests) and room.rows == 40  # 8 rows fit beside the 30
 
 
 def test_choose_num_verified_reads_the_confidences():

@@ -95,6 +95,23 @@ def drop_finished(states: dict, requests) -> list:
     return gone
 
 
+def prefill_left(input_batch, step: StepBatch) -> int:
+    """Prompt rows still to prefill after this step, over the requests whose chunk this step was not their last: the
+    prefill the next step carries at least (requests still waiting in the scheduler are not in the runner's batch).
+
+    A request prefills when it has computed fewer than all but its last committed token; after this step's rows it
+    has `num_tokens_no_spec - num_computed - rows` prompt tokens left.
+    """
+    left = 0
+    for i in range(step.size):
+        rows = step.query_start[i + 1] - step.query_start[i]
+        committed = int(input_batch.num_tokens_no_spec[i])
+        computed = int(input_batch.num_computed_tokens_cpu[i])
+        if computed < committed - 1:
+            left += max(committed - computed - rows, 0)
+    return left
+
+
 def verifies_previous(previous: Pending | None, step: StepBatch, i: int, decoding: bool) -> bool:
     """Whether this step verified request `i`'s previous proposal (not a prefill, nor a proposal vLLM dropped, nor
     one of another length or anchor)."""

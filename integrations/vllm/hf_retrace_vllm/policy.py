@@ -76,6 +76,20 @@ class DraftPolicy:
                    settings)  # fmt: skip
 
 
+def check_token_budget(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> None:
+    """Raises `ValueError` when one drafter forward could need more slots than the engine's token budget sizes its
+    buffers for: the drafter runs its whole block, `block_size` slots, for every running request (up to
+    `max_num_seqs`) in one forward. vLLM's CPU defaults (4096 tokens, 256 sequences; 2048 and 128 for the server) fit
+    a 16-slot block exactly."""
+    if max_num_batched_tokens < max_num_seqs * block_size:
+        raise ValueError(
+            f"max_num_batched_tokens={max_num_batched_tokens} is less than max_num_seqs x block_size = "
+            f"{max_num_seqs} x {block_size} = {max_num_seqs * block_size}: the hf-retrace drafter runs a block of "
+            f"{block_size} slots per request in one forward. Raise max_num_batched_tokens to at least "
+            f"{max_num_seqs * block_size}, or lower max_num_seqs to at most {max_num_batched_tokens // block_size}"
+        )
+
+
 def policy_sources(policy: DraftPolicy, folder, vocab_size: int) -> list[CandidateSource]:
     """The candidate sources `policy` turns on, in the order a cycle asks them (the shared registry's), built over the
     exported `folder` (its datastore file is read and indexed here, once)."""
@@ -97,4 +111,4 @@ def lookup(sources: list[CandidateSource], tokens: np.ndarray, max_tokens: int) 
     return proposal, STATS_NAMES.get(source.name, source.name)
 
 
-__all__ = ["DRAFTER", "DraftPolicy", "RETRACE_MODES", "lookup", "policy_sources"]
+__all__ = ["DRAFTER", "DraftPolicy", "RETRACE_MODES", "check_token_budget", "lookup", "policy_sources"]

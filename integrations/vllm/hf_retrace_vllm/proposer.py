@@ -10,7 +10,8 @@ Each engine step, for every request in the batch (in this order):
    the request's previous proposal, the tokens just committed (the online datastore indexes them), the end of the
    requests that left the runner. Then it plans the batch from the committed contexts: per request a lookup's
    tokens, the drafter, or nothing (`speculation_policy`: `"goodput"` weighs the step-cost model, `costs.py`,
-   against calibrated acceptance; `"fixed"` takes the first source that proposes, else the drafter).
+   against calibrated acceptance, with the prompt rows still to prefill, which the next step carries within
+   `max_num_batched_tokens`; `"fixed"` takes the first source that proposes, else the drafter).
 3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks); the
    policy then picks how many of a request's drafts are verified from their top-1 probabilities (`num_drafts`).
    The target's features of every verified row go to the drafter's context K/V cache, lookup cycles included, so a
@@ -31,14 +32,14 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from . import patches
 from .bookkeeping import (
-    Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, read_step_batch, retained_suffix,
-    verifies_previous,
+    Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, prefill_left, read_step_batch,
+    retained_suffix, verifies_previous,
 )  # fmt: skip
 from .context_kv import DeferredContextKV
 from .costs import EngineCosts, key_from_vllm_config
 from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs
 from .logs import get_logger
-from .policy import DRAFTER, STATS_NAMES, DraftPolicy, policy_sources
+from .policy import DRAFTER, STATS_NAMES, DraftPolicy, check_token_budget, policy_sources
 from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
 from .shared.speculation_retrace import SpeculationPlan, SpeculationPolicy
@@ -66,6 +67,8 @@ class ReTraceDFlashProposer(DFlashProposer):
                 "drafts, which ReTrace and the bookkeeping read): drop disable_padded_drafter_batch from "
                 "speculative_config"
             )
+        scheduler = vllm_config.scheduler_config
+        check_token_budget(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, self.policy.block_size)
         self.block_drafts = self.policy.block_size - 1
         if self.max_verified > self.block_drafts:
             raise ValueError(
@@ -91,9 +94,12 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.last_step: StepRecord | None = None  # the step-cost model's input: R, S and the parts' seconds
         self.startup_profile: StartupProfile | None = None  # set after vLLM's warm-up (profile.py)
         self.costs = EngineCosts(key_from_vllm_config(vllm_config))  # t(R), d(S): cache file, profile or prior
-        # the drafter's forward runs for the whole padded batch when any request drafts: charged as such
-        self.speculation = SpeculationPolicy(self.policy.settings, self.sources, self.policy.block_size,
-                                             self.costs.model, whole_batch_drafter=True)  # fmt: skip
+        # the drafter's forward runs for the whole padded batch when any request drafts: charged as such; a step's
+        # rows are capped by the scheduler's token budget, which verification takes before prefill chunks do
+        self.speculation = SpeculationPolicy(
+            self.policy.settings, self.sources, self.policy.block_size, self.costs.model,
+            max_rows=scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens, whole_batch_drafter=True,
+        )  # fmt: skip
         self._logged = 0  # hundreds of cycles already logged
         self.prediction = PredictionLedger()  # goodput: predicted beside measured steps
         self._planned: PlannedStep | None = None  # the last plan's prediction of the step that verifies it
@@ -183,7 +189,7 @@ class ReTraceDFlashProposer(DFlashProposer):
             if cap > 0:
                 requests.append((req_id, tokens, cap))
                 anchors[req_id] = (i, len(tokens) - 1)
-        plan = self.speculation.plan(requests)
+        plan = self.speculation.plan(requests, prefill_left(self.runner.input_batch, step))
         drafting: dict[int, int] = {}  # batch index -> most drafts to verify
         for req_id, (i, anchor) in anchors.items():
             action = plan.action(req_id)

@@ -77,11 +77,12 @@ def exports(tmp_path_factory):
     return get
 
 
-def make_llm(target: str, speculative_config=None):
+def make_llm(target: str, speculative_config=None, **engine_args):
+    """An eager engine on `target`; `engine_args` go to `vllm.LLM` (e.g. `max_num_batched_tokens`)."""
     from vllm import LLM
 
     return LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-               speculative_config=speculative_config)  # fmt: skip
+               speculative_config=speculative_config, **engine_args)  # fmt: skip
 
 
 def close_llm(llm) -> None:

@@ -9,12 +9,15 @@ online datastore frees the requests that finished.
 """
 
 import json
+import types
 
+import numpy as np
 import pytest
 from test_lossless_random import write_drafter
 
 from conftest import PROMPTS, close_llm, greedy, make_llm
-from hf_retrace_vllm import STATS_ENV
+from hf_retrace_vllm import STATS_ENV, proposer as proposer_module
+from hf_retrace_vllm.bookkeeping import StepBatch, prefill_left
 from hf_retrace_vllm.costs import WARM_STEPS, EngineCosts, bound_threads, engine_key
 from hf_retrace_vllm.shared.cost_model_retrace import CostCurve, StepCostModel
 from hf_retrace_vllm.steps import PlannedStep, PredictionLedger, StepRecord
@@ -87,6 +90,17 @@ def test_prediction_ledger_counts_only_the_planned_batch():
         "steps": 1, "drafter_steps": 1, "target_predicted": 0.03, "target_measured": 0.027, "drafter_predicted": 0.004,
         "drafter_measured": 0.006, "tokens_predicted": 3.5, "tokens_committed": 4, "requests": 2,
     })  # fmt: skip
+
+
+def test_prefill_left_counts_the_prompt_rows_after_this_chunk():
+    """Request a decodes (9 of its 10 tokens computed), b ran 40 of its 100-token prompt from 20 (40 left), c's
+    chunk of 20 from 30 ends its 50-token prompt (0 left)."""
+    batch = types.SimpleNamespace(num_tokens_no_spec=np.array([10, 100, 50]),
+                                  num_computed_tokens_cpu=np.array([9, 20, 30]))  # fmt: skip
+    step = StepBatch(["a", "b", "c"], [0, 2, 42, 62], [0, 0, 0], None, None, [1, 2, 3])
+    assert prefill_left(batch, step) == 40
+    batch.num_computed_tokens_cpu[1] = 60  # b's last chunk
+    assert prefill_left(batch, step) == 0
 
 
 def test_bound_threads_reads_vllm_bind_lists():
@@ -182,3 +196,33 @@ def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_sho
         assert stats["drafter_forwards"] > 10 and stats["cycles"]["draft"] > 10, stats
     else:  # nothing pays: no proposal, no drafter forward
         assert stats["drafter_forwards"] == 0 and verified == 0, stats
+
+
+# long prompts under a 64-row budget: chunked over several steps while other requests decode beside them
+LONG_PROMPTS = [f"{i}. " + "The quick brown fox jumps over the lazy dog near the river bank. " * 12 for i in range(3)]
+BUDGET = {"max_num_batched_tokens": 64, "max_num_seqs": 4}
+
+
+def test_goodput_beside_chunked_prefill_is_lossless(target, goodput_folder, engine_env, monkeypatch):
+    """The plan counts the prompt rows still to prefill (`prefill_left`); greedy output stays vLLM's own."""
+    llm = make_llm(target, **BUDGET)
+    try:
+        plain = greedy(llm, PROMPTS[:2] + LONG_PROMPTS, max_tokens=MAX_TOKENS)
+    finally:
+        close_llm(llm)
+    seen = []
+
+    def spy(input_batch, step):
+        seen.append(prefill_left(input_batch, step))
+        return seen[-1]
+
+    monkeypatch.setattr(proposer_module, "prefill_left", spy)  # the engine runs in this process (engine_env)
+    _force_costs(target, goodput_folder, CHEAP)
+    spec = {"method": "dflash", "model": str(goodput_folder), "num_speculative_tokens": 3}
+    llm = make_llm(target, spec, **BUDGET)
+    try:
+        outputs = greedy(llm, PROMPTS[:2] + LONG_PROMPTS, max_tokens=MAX_TOKENS)
+    finally:
+        close_llm(llm)
+    assert outputs == plain
+    assert max(seen) > 0 and seen[-1] == 0, seen  # prompts were left to prefill at some steps, none at the end

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hf_retrace_vllm.datastore import SEPARATOR, FolderDatastore, NgramDatastore, load_datastore_file
-from hf_retrace_vllm.policy import DraftPolicy, lookup, policy_sources
+from hf_retrace_vllm.policy import DraftPolicy, check_token_budget, lookup, policy_sources
 from hf_retrace_vllm.shared.lookup_retrace import prompt_lookup
 
 
@@ -112,3 +112,11 @@ def test_lookup_asks_prompt_lookup_then_the_datastore_then_the_drafter(tmp_path)
     assert lookup(sources, np.array([1, 2]), 5) == (None, "draft")
     with pytest.raises(ValueError, match="names no datastore_file"):
         FolderDatastore(tmp_path, None, 10).datastore(2, 6, 3)
+
+
+def test_a_token_budget_below_one_block_per_sequence_is_a_clear_error():
+    """Below `max_num_seqs x block_size` a full batch's drafter forward overruns vLLM's buffers (it crashed the
+    engine): refused at start-up, saying both fixes."""
+    check_token_budget(4096, 256, 16)  # vLLM's CPU defaults fit exactly
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=48 .* 4 x 16 = 64.*at least 64.*at most 3"):
+        check_token_budget(48, 4, 16)

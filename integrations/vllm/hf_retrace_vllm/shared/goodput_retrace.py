@@ -13,6 +13,13 @@ probabilities of its verified tokens)` in `T = t(R) + d(S)` seconds. (request, p
 order of survival probability while the marginal tokens per marginal second beat the current rate `E / T`: the
 prefix of that order with the highest `E / T` (with linear costs, exactly where the greedy rule stops).
 
+A step that also carries `P` prefill rows (other requests' prompt chunks) takes `t(R + P)`, and a prefill row is a
+unit of work done, like a committed token: the rate is `(E + P) / T`. Under a row budget (`max_rows`, vLLM's
+`max_num_batched_tokens`) verification is scheduled first and the prefill gets the rows left, `P = min(P_waiting,
+max_rows - R)`: a verified token displaces a prefill row, and pays only if it is sure to be accepted. With many
+prefill rows and no budget the rate nears one row per marginal row cost, so the same holds: speculation waits for
+the steps that only decode.
+
 Two stages, because the drafter's confidences exist only after it runs:
 1. [`plan_step`]: lookup proposals with their estimates against the drafter's expected acceptance; decides who
    drafts (the drafter's `d(S)` counted as one group: plans with and without the drafter are both solved).
@@ -104,10 +111,11 @@ class StepPlan:
 
     Args:
         requests (`list[RequestPlan]`): one per request, in the input order.
-        rows (`int`): target rows `R`.
+        rows (`int`): target rows of the step, `R + P`: one per request, its verified tokens, and the prefill rows.
         drafter_slots (`int`): drafter slots `S` (`block_size` per drafting request).
-        expected_tokens (`float`): `E`.
-        expected_seconds (`float`): `T = t(R) + d(S)`.
+        expected_tokens (`float`): `E`, tokens committed by the planned requests.
+        expected_seconds (`float`): `T = t(R + P) + d(S)`.
+        prefill_rows (`int`, *optional*, defaults to 0): `P`, prefill rows the step runs beside the requests.
     """
 
     requests: list[RequestPlan]
@@ -115,6 +123,7 @@ class StepPlan:
     drafter_slots: int
     expected_tokens: float
     expected_seconds: float
+    prefill_rows: int = 0
 
     @property
     def drafting(self) -> list:
@@ -122,8 +131,10 @@ class StepPlan:
         return [r.request_id for r in self.requests if r.source == DRAFTER]
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.expected_tokens / self.expected_seconds if self.expected_seconds > 0 else 0.0
+    def goodput(self) -> float:
+        """`(E + P) / T`: committed tokens and prefill rows per second, what the plan maximises."""
+        work = self.expected_tokens + self.prefill_rows
+        return work / self.expected_seconds if self.expected_seconds > 0 else 0.0
 
 
 @dataclass(eq=False)  # compared by identity: the same option picked again
@@ -141,14 +152,14 @@ _NOTHING = _Option(None, np.zeros(0))
 
 
 def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, drafter_slots: int | None = None,
-           max_rows: int | None = None, whole_batch: bool = False) -> tuple[np.ndarray, int, float, float]:  # fmt: skip
+           max_rows: int | None = None, whole_batch: bool = False, prefill_rows: int = 0) -> tuple:  # fmt: skip
     """The best admission prefix for one source per request.
 
     Returns:
-        `(num_verified per request, drafter slots, E, T)`. With `drafter_slots=None` a drafting request adds
+        `(num_verified per request, drafter slots, E, T, P)`. With `drafter_slots=None` a drafting request adds
         `block_size` slots when its first draft is admitted (`whole_batch`: the first admitted draft of any request
         adds `n * block_size`, the engine's drafter runs for every request); otherwise the slots are fixed (the
-        drafter already ran).
+        drafter already ran). `P`: the prefill rows run, `prefill_rows` less what verification took of `max_rows`.
     """
     n = len(options)
     lengths = np.array([len(o.survival) for o in options], dtype=np.int64)
@@ -166,13 +177,16 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
             slots = np.where(slots > 0, n * block_size, 0)
     else:
         slots = np.full(rows.size, int(drafter_slots))
-    seconds = np.asarray(cost_model.target_seconds(rows) + cost_model.drafter_seconds(slots), dtype=np.float64)
-    rate = expected / np.maximum(seconds, 1e-12)
+    prefill = np.full(rows.size, max(int(prefill_rows), 0))
+    if max_rows is not None:  # the scheduler gives the budget to verification first, the prefill gets the rest
+        prefill = np.clip(max_rows - rows, 0, prefill)
+    seconds = cost_model.target_seconds(rows + prefill) + cost_model.drafter_seconds(slots)
+    rate = (expected + prefill) / np.maximum(np.asarray(seconds, dtype=np.float64), 1e-12)
     if max_rows is not None:
         rate = np.where(rows <= max(max_rows, n), rate, -np.inf)
     best = int(np.argmax(rate))  # the first maximum: the fewest rows among equals
     counts = np.bincount(req[:best], minlength=n)
-    return counts, int(slots[best]), float(expected[best]), float(seconds[best])
+    return counts, int(slots[best]), float(expected[best]), float(seconds[best]), int(prefill[best])
 
 
 def _lookup_options(request: StepRequest, estimator: AcceptanceEstimator, cap: int) -> list[_Option]:
@@ -194,11 +208,11 @@ def _value(option: _Option, threshold: float, fixed_cost: float) -> float:
 
 
 def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: int, rate: float,
-          whole_batch: bool = False) -> list[_Option]:  # fmt: skip
+          whole_batch: bool = False, prefill_rows: int = 0) -> list[_Option]:  # fmt: skip
     """One option per request, the highest value at `rate`; the drafter's `d(S)` is shared among the requests that
     may draft (its per-request part is charged to each; `whole_batch`: the forward of all `n` requests is)."""
     n = len(choices)
-    threshold = rate * cost_model.marginal_row_cost(n)
+    threshold = rate * cost_model.marginal_row_cost(n + prefill_rows)
     num_drafters = sum(any(o.source == DRAFTER for o in c) for c in choices)
     slots = block_size * (n if whole_batch else num_drafters)
     share = rate * cost_model.drafter_seconds(slots) / num_drafters if num_drafters else 0.0
@@ -206,7 +220,7 @@ def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: i
 
 
 def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], solved) -> StepPlan:
-    counts, slots, expected, seconds = solved
+    counts, slots, expected, seconds, prefill = solved
     plans = []
     for request, option, count, cap in zip(requests, options, counts.tolist(), caps):
         if count == 0:
@@ -214,12 +228,12 @@ def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], 
         tokens = list(option.proposal.tokens[:count]) if option.proposal is not None else []
         plans.append(RequestPlan(request.request_id, option.source, count, tokens, option.acceptance[:count],
                                  option.proposal, cap))  # fmt: skip
-    return StepPlan(plans, len(requests) + int(counts.sum()), slots, expected, seconds)
+    return StepPlan(plans, len(requests) + int(counts.sum()) + prefill, slots, expected, seconds, prefill)
 
 
 def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator: AcceptanceEstimator,
               block_size: int, max_verified: int, max_rows: int | None = None,
-              whole_batch_drafter: bool = False) -> StepPlan:  # fmt: skip
+              whole_batch_drafter: bool = False, prefill_rows: int = 0) -> StepPlan:  # fmt: skip
     """Stage 1: which source proposes for each request (a lookup, the drafter, or nothing) and who drafts.
 
     Args:
@@ -232,6 +246,8 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
         whole_batch_drafter (`bool`, *optional*, defaults to `False`): the engine's drafter forward runs for every
             request of the step as soon as one drafts (vLLM's padded drafter batch), so drafting costs
             `d(n * block_size)` however few requests draft.
+        prefill_rows (`int`, *optional*, defaults to 0): prompt rows of other requests waiting to run in the step
+            (vLLM's chunked prefill); within `max_rows` they take the rows verification leaves.
 
     Returns:
         [`StepPlan`]: run the drafter for `plan.drafting`, then call [`choose_num_verified`].
@@ -242,8 +258,8 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
     lookups = [_lookup_options(r, estimator, cap) for r, cap in zip(requests, caps)]
 
     def solve(options: list[_Option]) -> StepPlan:
-        return _plan(options, requests, caps,
-                     _solve(options, cost_model, block_size, None, max_rows, whole_batch_drafter))  # fmt: skip
+        solved = _solve(options, cost_model, block_size, None, max_rows, whole_batch_drafter, prefill_rows)
+        return _plan(options, requests, caps, solved)
 
     best = solve(_pick(lookups, cost_model, block_size, 0.0))  # rate 0: the most-surviving lookup per request
     if not any(r.can_draft for r in requests) or block_size < 2:
@@ -252,11 +268,12 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
                for r, c, cap in zip(requests, lookups, caps)]  # fmt: skip
     picked = None
     for _ in range(2):  # the choice depends on the rate and the rate on the choice: refine once
-        previous, picked = picked, _pick(choices, cost_model, block_size, best.tokens_per_second, whole_batch_drafter)
+        previous, picked = picked, _pick(choices, cost_model, block_size, best.goodput, whole_batch_drafter,
+                                         prefill_rows)  # fmt: skip
         if picked == previous:
             break
         candidate = solve(picked)
-        best = candidate if candidate.tokens_per_second > best.tokens_per_second else best
+        best = candidate if candidate.goodput > best.goodput else best
     return best
 
 
@@ -267,8 +284,8 @@ def _drafter_options(request: StepRequest, estimator: AcceptanceEstimator, cap: 
 
 
 def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepCostModel,
-                        estimator: AcceptanceEstimator, max_verified: int,
-                        max_rows: int | None = None) -> StepPlan:  # fmt: skip
+                        estimator: AcceptanceEstimator, max_verified: int, max_rows: int | None = None,
+                        prefill_rows: int = 0) -> StepPlan:  # fmt: skip
     """Stage 2, after the drafter ran for `plan.drafting`: how many tokens each request verifies (0 allowed), from
     the drafter's calibrated confidences; the drafter's `d(S)` is spent and stays in `T`.
 
@@ -276,7 +293,7 @@ def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepC
         plan (`StepPlan`): [`plan_step`]'s plan.
         drafter_probabilities (`Mapping[Hashable, np.ndarray]`): per drafting request, the drafter's top-1
             probability per draft, shape `(block_size - 1,)` (or fewer: only the drafts it may verify).
-        cost_model, estimator, max_verified, max_rows: as in [`plan_step`].
+        cost_model, estimator, max_verified, max_rows, prefill_rows: as in [`plan_step`].
 
     Returns:
         [`StepPlan`]: the final plan; a drafting request's `num_verified` leading drafts are verified.
@@ -284,7 +301,8 @@ def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepC
     options = [_verified_option(p, drafter_probabilities, estimator, max_verified) for p in plan.requests]
     requests = [StepRequest(p.request_id) for p in plan.requests]
     caps = [p.max_tokens for p in plan.requests]
-    final = _plan(options, requests, caps, _solve(options, cost_model, 0, plan.drafter_slots, max_rows))
+    solved = _solve(options, cost_model, 0, plan.drafter_slots, max_rows, prefill_rows=prefill_rows)
+    final = _plan(options, requests, caps, solved)
     for mine, planned in zip(final.requests, plan.requests):  # a drafting request verifying 0 drafts still drafted
         if planned.source == DRAFTER:
             mine.source = DRAFTER

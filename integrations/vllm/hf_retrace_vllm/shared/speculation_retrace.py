@@ -179,17 +179,20 @@ class SpeculationPolicy:
         self._shadows: dict = {}
         self._lengths: dict = {}
         self.last_step: StepPlan | None = None  # the last final plan (goodput), its prediction beside the measure
+        self._prefill_rows = 0  # the last `plan`'s prefill rows, for its stage 2
 
     # -- one step ---------------------------------------------------------------------------------------------------
-    def plan(self, requests) -> SpeculationPlan:
+    def plan(self, requests, prefill_rows: int = 0) -> SpeculationPlan:
         """Stage 1. `requests`: `(request_id, tokens np.ndarray (T,), max_tokens int)` per running request, where
         `max_tokens` is the most tokens it may verify (the engine's cap: room before the length limit, vLLM's
-        `num_speculative_tokens`)."""
+        `num_speculative_tokens`). `prefill_rows`: prompt rows of other requests that the verifying step will also
+        run (goodput counts them as work done, see [`plan_step`])."""
         if self.kind == "fixed":
             return SpeculationPlan({rid: self._fixed_action(rid, tokens, int(m)) for rid, tokens, m in requests})
         step_requests = [self._step_request(rid, tokens, int(m)) for rid, tokens, m in requests]
+        self._prefill_rows = max(int(prefill_rows), 0)
         step = plan_step(step_requests, self.cost_model, self._solver_estimator, self.block_size, self.max_verified,
-                         self.max_rows, self.whole_batch_drafter)  # fmt: skip
+                         self.max_rows, self.whole_batch_drafter, self._prefill_rows)  # fmt: skip
         plan = SpeculationPlan(step=step)
         for request, planned, (_, tokens, max_tokens) in zip(step_requests, step.requests, requests):
             rid = planned.request_id
@@ -308,7 +311,7 @@ class SpeculationPolicy:
             counts = {rid: self._confidence_stop(p) for rid, p in capped.items()}
         else:
             final = choose_num_verified(plan.step, capped, self.cost_model, self._solver_estimator, self.max_verified,
-                                        self.max_rows)  # fmt: skip
+                                        self.max_rows, self._prefill_rows)  # fmt: skip
             self.last_step = final
             by_id = {r.request_id: r.num_verified for r in final.requests if r.source == DRAFTER}
             counts = {rid: int(by_id.get(rid, 0)) for rid in capped}
