@@ -150,6 +150,19 @@ def test_goodput_learns_the_lookups_it_did_not_verify_from_the_tokens_committed_
     assert policy._shadows == {} and policy._lengths == {}
 
 
+def test_an_exploring_step_prices_the_drafter_forward_it_ran():
+    """Stage 1 planned no drafter (it is dear); the exploring forward still ran, so the final plan's `d(S)` is in
+    its predicted step time, as the engine's measured time will have it."""
+    costs = _costs(row_ms=200.0, drafter_ms=50.0)
+    policy = _policy("goodput", costs, explore_every=1)
+    plan = policy.plan([("a", np.array([1, 2, 3]), 10)])
+    assert plan.drafting == ["a"] and plan.step.drafter_slots == 0  # exploring: stage 1 left the drafter out
+    policy.num_drafts(plan, {"a": np.full(BLOCK - 1, 0.5)})
+    final = policy.last_step
+    assert final.drafter_slots == BLOCK
+    assert final.expected_seconds == pytest.approx(costs.step_seconds(final.rows, BLOCK))
+
+
 def test_exploration_is_bounded_and_rejects_bad_values():
     policy = _policy("goodput", _costs(row_ms=200.0, drafter_ms=50.0), explore_every=4)
     runs = sum(bool(policy.plan([("a", np.array([1, 2, 3]), 10)]).drafting) for _ in range(40))

@@ -32,7 +32,7 @@ The number of drafts verified depends on the drafter's top-1 probabilities (not 
 earlier steps observed, so speculative sampling stays exact.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -310,7 +310,8 @@ class SpeculationPolicy:
         if self.kind == "fixed" or plan.step is None:
             counts = {rid: self._confidence_stop(p) for rid, p in capped.items()}
         else:
-            final = choose_num_verified(plan.step, capped, self.cost_model, self._solver_estimator, self.max_verified,
+            ran = replace(plan.step, drafter_slots=self._drafter_slots_run(plan))  # exploring requests included
+            final = choose_num_verified(ran, capped, self.cost_model, self._solver_estimator, self.max_verified,
                                         self.max_rows, self._prefill_rows)  # fmt: skip
             self.last_step = final
             by_id = {r.request_id: r.num_verified for r in final.requests if r.source == DRAFTER}
@@ -327,6 +328,13 @@ class SpeculationPolicy:
                 self.estimator.futile_block(rid)
         self._exploring = set()
         return counts
+
+    def _drafter_slots_run(self, plan: SpeculationPlan) -> int:
+        """`S` of the drafter forward this step ran: `block_size` per drafting request (exploring ones too, which
+        stage 1 did not price), or per request of the batch for a whole-batch drafter."""
+        if not plan.drafting:
+            return 0
+        return self.block_size * (len(plan.step.requests) if self.whole_batch_drafter else len(plan.drafting))
 
     def _predicted(self, source: str, features: ProposalFeatures, rid) -> float | None:
         """The unscaled estimate of a verified proposal's accepted tokens: the sum of its survival probabilities."""
