@@ -94,6 +94,7 @@ def test_bench_with_a_bad_argument(capsys, tmp_path, argv, expected):
         (["replay", "--drafter", "d=/no/d"], "--drafter '/no/d': no such drafter folder"),
         (["replay", "--drafter", f"d={ROOT}", "--check-bench", "/no/r.json"], "--check-bench '/no/r.json': no such"),
         (["replay", "--drafter", f"d={ROOT}", "--pool-rows", "0:8", "--pool-dir", "/no/p"], "--pool-dir '/no/p'"),
+        (["replay", "--drafter", f"d={ROOT}", "--block-sizes", "16,1"], "expected comma-separated integers >= 2"),
         (["replay", "--drafter", f"d={ROOT}", "--prompt-lookup-num-tokens", "3", "--prompt-lookup-ngram-sizes", "2,3"],
          "expected MAX,MIN"),
     ],

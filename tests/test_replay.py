@@ -50,6 +50,25 @@ def test_replayed_cycles_are_the_generated_ones(anchor_broadcast, vocab, num_ass
     assert replay.tau == pytest.approx(sum(map(sum, generated)) / sum(map(len, generated)))
 
 
+def test_a_block_cut_short_replays_what_generation_runs():
+    """`hf-retrace replay --block-sizes`: a drafter told to run fewer slots than it was trained on (its config's
+    `block_size`, which both generation and the replay read) drafts `B-1` tokens a cycle, and the replay still
+    reproduces generation's cycles."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=5, mode="off", anchor_broadcast=True)
+    drafter.config.block_size = 3  # the anchor term, too, reads its block from the config
+    replay, generated = ReplayResult(), []
+    for i in range(6):
+        prompt = random_prompt(3 + i, seed=100 + i)
+        out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=drafter)
+        generated.append(drafter.last_generation_stats.acceptance_lengths)
+        scores = anchor_scores(target, drafter, out, prompt.shape[1])
+        assert {len(slots) for slots in scores.confidence} == {2}  # B-1 = 2 drafts per block, not the trained 4
+        replay.add(scores)
+        assert replay.cycles[-1] == generated[-1], f"prompt {i}"
+    assert max(map(max, generated)) <= 3
+
+
 @pytest.mark.parametrize("num_assistant_tokens", [None, 2])
 def test_replayed_cycles_with_prompt_lookup_are_the_generated_ones(num_assistant_tokens):
     """Prompt lookup in front of the drafter: the walk takes the lookup's candidates where an n-gram recurs and the

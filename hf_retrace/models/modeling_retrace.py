@@ -85,10 +85,14 @@ class AnchorBroadcast(nn.Module):
 
     def __init__(self, config: ReTraceDrafterConfig):
         super().__init__()
-        self.block_size = config.block_size
+        self.config = config  # its `block_size` is read per call: a drafter may run a block shorter than trained
         # W_a [H_out, H_in], a direct parameter (not an nn.Linear): transformers skips `_init_weights` on custom-code
         # modules without direct parameters, which would leave a child Linear at its random init instead of zero
         self.weight = nn.Parameter(torch.zeros(config.hidden_size, config.hidden_size))
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
 
     def forward(self, noise_embeds: torch.Tensor) -> torch.Tensor:
         """`e_j + W_a e_0` on every mask slot `j >= 1` of each block; the anchor slot 0 is untouched.

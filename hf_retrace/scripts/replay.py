@@ -10,7 +10,9 @@ results.json` compares the replayed cycles with a bench run's, prompt by prompt 
 adds each arm again with prompt lookup in front of the drafter (`generation_config.prompt_lookup_num_tokens`), and
 `--datastore` with each drafter's datastore lookup behind it (`generation_config.datastore_num_tokens`).
 `--num-assistant-tokens 2,3` and `--confidence-thresholds 0.3,0.4` add arms that verify fewer drafts per cycle (the
-decoding settings of those names); `verified` is the mean tokens per verification forward. `--pool-rows START:END`
+decoding settings of those names); `verified` is the mean tokens per verification forward. `--block-sizes 16,9`
+replays each drafter with the block it runs cut to `B` slots (anchor + `B-1` masks, `B` up to its trained
+`block_size`; arms `NAME B=9`): whether a shorter, cheaper drafter forward keeps tau. `--pool-rows START:END`
 replays rows of the token pool instead (the target's greedy responses, up to 256 tokens, in generation order): rows
 newer than a drafter's training data are a larger held-out set than the bench's prompts, with nothing to generate.
 
@@ -62,8 +64,13 @@ def cli_main(argv: list[str] | None = None) -> int:
         help="also replay every arm with each drafter's datastore lookup (`hf-retrace datastore`) in front of it, "
         "behind prompt lookup when --prompt-lookup-num-tokens is given",
     )  # fmt: skip
+    parser.add_argument(
+        "--block-sizes", default="",
+        help="comma-separated B: replay each drafter running a block of B slots (at most its trained block_size)",
+    )  # fmt: skip
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args(argv)
+    block_sizes = _block_sizes(args.block_sizes)
     caps = [int(k) for k in args.num_assistant_tokens.split(",") if k]
     thresholds = [float(t) for t in args.confidence_thresholds.split(",") if t]
     # each limit alone, then every pair (a cycle verifies at most k drafts, and only the confident ones)
@@ -107,7 +114,23 @@ def cli_main(argv: list[str] | None = None) -> int:
         if args.datastore:  # each drafter's own datastore, behind prompt lookup as in generation
             lookups = _lookups(prompts, sequences, lookup, _datastore(drafter, folder))
         lookup_label = " +" + "+".join(["lookup"] * bool(lookup) + ["datastore"] * args.datastore)
-        _report(name, drafter, target, prompts, sequences, bench.get(name), arms, lookups, lookup_label)
+        trained = drafter.config.block_size
+        for block in block_sizes or [trained]:
+            if block > trained:
+                raise UsageError(f"--block-sizes {block}: {folder} was trained on blocks of {trained}; a drafter "
+                                 f"runs at most its trained block")  # fmt: skip
+            drafter.config.block_size = block  # anchor_scores runs the block the config names
+            arm_name = name if block == trained else f"{name} B={block}"
+            _report(arm_name, drafter, target, prompts, sequences, bench.get(name), arms, lookups, lookup_label)
+        drafter.config.block_size = trained
+
+
+def _block_sizes(text: str) -> list[int]:
+    """`--block-sizes "16,9"` -> `[16, 9]`; each `B >= 2` (an anchor and at least one mask slot)."""
+    sizes = [item.strip() for item in text.split(",") if item.strip()]
+    if not all(item.isdigit() and int(item) >= 2 for item in sizes):
+        raise UsageError(f"--block-sizes {text!r}: expected comma-separated integers >= 2 (anchor + masks), e.g. 16,9")
+    return [int(item) for item in sizes]
 
 
 def _lookups(prompts, sequences, lookup: tuple[int, int, int] | None, datastore) -> list:
