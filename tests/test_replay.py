@@ -61,6 +61,8 @@ def test_a_block_cut_short_replays_what_generation_runs():
     for i in range(6):
         prompt = random_prompt(3 + i, seed=100 + i)
         out = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20, assistant_model=drafter)
+        alone = target.generate(prompt, do_sample=False, pad_token_id=0, max_new_tokens=20)
+        torch.testing.assert_close(out, alone, rtol=0, atol=0)  # lossless with the shorter block too
         generated.append(drafter.last_generation_stats.acceptance_lengths)
         scores = anchor_scores(target, drafter, out, prompt.shape[1])
         assert {len(slots) for slots in scores.confidence} == {2}  # B-1 = 2 drafts per block, not the trained 4
