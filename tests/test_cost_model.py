@@ -39,6 +39,19 @@ def test_curve_interpolates_extrapolates_and_costs_nothing_at_zero():
     assert CostCurve([16], [0.004])(32) == pytest.approx(0.008)  # one knot: proportional
 
 
+@pytest.mark.parametrize("num_knots", [1, 2, 7])
+def test_one_size_is_priced_as_the_array_path_prices_it(num_knots):
+    # plans compare sums of these prices: a scalar fast path that rounded differently could flip a choice
+    rng = np.random.default_rng(num_knots)
+    curve = CostCurve(np.cumsum(rng.uniform(0.5, 9.0, num_knots)), np.cumsum(rng.uniform(0.0, 0.02, num_knots)))
+    sizes = np.concatenate([curve.sizes, rng.uniform(-2.0, 1.6 * curve.sizes[-1], 200), [0.0, -1.0, 1.0, 2.0, 640.0]])
+    priced = curve(sizes)
+    for size, price in zip(sizes.tolist(), priced.tolist()):
+        assert curve(size) == price and curve(np.float64(size)) == price
+        assert type(curve(size)) is float
+    assert curve(3) == curve(np.array([3]))[0] == curve(np.int64(3))
+
+
 def test_marginal_row_cost_is_the_slope():
     model = _model()
     assert model.marginal_row_cost(1) == pytest.approx(0.0028)

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import time
+from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,8 @@ class CostCurve:
 
     def __call__(self, size) -> np.ndarray | float:
         """The time for `size` (scalar or array), per the rules in the class docstring."""
+        if isinstance(size, (int, float, np.integer, np.floating)):
+            return self._scalar(float(size))
         size = np.asarray(size, dtype=np.float64)
         out = np.interp(size, self.sizes, self.seconds)
         last, top = self.sizes[-1], self.seconds[-1]
@@ -86,6 +89,25 @@ class CostCurve:
         out = np.where(size > last, top + slope * (size - last), out)
         out = np.where(size <= 0, 0.0, out)
         return float(out) if out.ndim == 0 else out
+
+    def _scalar(self, x: float) -> float:
+        """`self(x)` for one size, in Python floats: the policy prices a dozen single sizes a step, and numpy's
+        per-call overhead there is most of the cost. The arithmetic is `np.interp`'s, so both paths agree bit for
+        bit (a plan must not depend on which one priced it)."""
+        if x <= 0:
+            return 0.0
+        sizes, seconds = self.sizes.tolist(), self.seconds.tolist()
+        last, top = sizes[-1], seconds[-1]
+        if x > last:
+            slope = (top - seconds[-2]) / (last - sizes[-2]) if len(sizes) > 1 else top / last
+            return top + slope * (x - last)
+        j = bisect_right(sizes, x) - 1  # sizes[j] <= x < sizes[j + 1]
+        if j < 0:
+            return seconds[0]
+        if j == len(sizes) - 1 or sizes[j] == x:
+            return seconds[j]
+        slope = (seconds[j + 1] - seconds[j]) / (sizes[j + 1] - sizes[j])
+        return slope * (x - sizes[j]) + seconds[j]
 
     def observe(self, size: float, seconds: float, alpha: float, max_change: float) -> None:
         """Moves the knots around `size` toward one observed time (an exponentially weighted average per knot,
