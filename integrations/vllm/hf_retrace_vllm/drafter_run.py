@@ -42,7 +42,7 @@ def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block
     verification by: the confidence stop, or the goodput rule).
 
     Args:
-        model: the drafter (`compute_logits` maps states to logits over the target vocabulary, via `d2t`).
+        model: the drafter (`greedy_top1` maps states to greedy target token ids and their probabilities).
         hidden (`torch.Tensor` of shape `(N, H)`): the block forward's states, `batch` blocks of `block_size` first.
         drafting (`dict[int, int]`): batch row -> most drafts to propose.
 
@@ -55,7 +55,7 @@ def greedy_drafts(model, hidden: torch.Tensor, drafting: dict, batch: int, block
     order = sorted(drafting)
     k_max = max(drafting.values())
     states = blocks[order, 1 : 1 + k_max]  # [d, k, H]: mask slots 1..k
-    logits = model.compute_logits(states.reshape(-1, states.shape[-1])).view(len(order), k_max, -1)  # [d, k, V]
-    drafts = logits.argmax(dim=-1).tolist()  # greedy drafts (exact for sampling too: q is one-hot)
-    confidence = logits.float().softmax(-1).amax(-1).cpu().numpy()  # [d, k]
+    drafts, confidence = model.greedy_top1(states.reshape(-1, states.shape[-1]))  # [d * k] each
+    drafts = drafts.view(len(order), k_max).tolist()  # greedy drafts (exact for sampling too: q is one-hot)
+    confidence = confidence.view(len(order), k_max).cpu().numpy()  # [d, k]
     return order, drafts, confidence, states

@@ -88,7 +88,7 @@ PRIVATE_ATTRIBUTES = {
     ),
     "loaded GPUModelRunner": ("model",),  # the target, checked by the start-up profile
     "InputBatch": ("req_ids", "num_tokens_no_spec", "num_computed_tokens_cpu", "token_ids_cpu"),
-    "DFlashQwen3ForCausalLM": ("config", "model"),  # the drafter, once loaded
+    "DFlashQwen3ForCausalLM": ("config", "model", "lm_head", "logits_processor", "draft_id_to_target_id"),  # loaded
     "DFlashQwen3Model": ("embed_input_ids", "hidden_norm"),
 }  # fmt: skip
 ASSIGNED = (

@@ -106,7 +106,7 @@ def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = 5) -> list[t
         with set_forward_context(None, proposer.vllm_config, num_tokens=slots):
             hidden = proposer.model(input_ids=proposer.input_ids[:slots], positions=proposer.positions[:slots])
         states = hidden.view(num_blocks, block, -1)[:, 1 : 1 + drafts]
-        proposer.model.compute_logits(states.reshape(-1, states.shape[-1]))
+        proposer.model.greedy_top1(states.reshape(-1, states.shape[-1]))
 
     runs = {n * block: (lambda n=n: forward(n)) for n in blocks if n * block <= proposer.max_query_tokens}
     with torch.inference_mode():
