@@ -77,7 +77,7 @@ from serving_engines import (
     HfEngine, VllmWorker, card_with_settings, export_card, plugin_available, vllm_available, vllm_preload_env,
 )  # fmt: skip
 from serving_methods import (
-    ALL_METHODS, GROUPS, PromptPlan, chunk_rounds, concurrent_batches, encode_prompts, parse_concurrency,
+    ALL_METHODS, GROUPS, PromptPlan, chunk_rounds, concurrent_batches, encode_prompts, parse_concurrency, too_long,
     parse_methods, parse_modes, rotated,
 )  # fmt: skip
 from serving_records import GREEDY, SAMPLED, Batch, block_key, check_lossless, load_store, save_store, summarize
@@ -111,6 +111,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "32 new tokens, compiled only")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="prompt chunks, each a fresh engine per block")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="vLLM's max_model_len: every prompt plus "
+                        "--max-new-tokens must fit (checked before any engine starts)")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled passes")
     parser.add_argument("--sampling-seed", type=int, default=0, help="request k of the sampled passes: this + k")
     parser.add_argument("--target", default=str(DEFAULT_TARGET), help="a save_pretrained folder (both engines)")
@@ -144,6 +146,8 @@ def parse_args(argv: list[str] | None = None):
     args.sampled_concurrencies = sampled
     if args.num_prompts_per_set < 1 or args.prompt_factor < 0 or args.rounds < 1 or args.max_new_tokens < 1:
         parser.error("--num-prompts-per-set, --rounds and --max-new-tokens must be >= 1, --prompt-factor >= 0")
+    if args.max_model_len <= args.max_new_tokens:
+        parser.error(f"--max-model-len {args.max_model_len} must be more than --max-new-tokens {args.max_new_tokens}")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if args.target == str(DEFAULT_TARGET):
@@ -209,7 +213,8 @@ def vllm_block(spec, config, mode, c, r, greedy, sampled, args, state) -> list[B
     log = Path(args.output_dir) / "logs" / f"{spec.name}-{mode}-c{c}-round{r}.log"
     worker = None
     try:
-        worker = VllmWorker(args.target, config, log, mode, args.vllm_threads_bind, state.preload_env)
+        worker = VllmWorker(args.target, config, log, mode, args.vllm_threads_bind, state.preload_env,
+                            args.max_model_len)  # fmt: skip
         state.note_worker(spec, mode, c, worker.info)
         return run_vllm_block(spec, worker, mode, c, r, greedy, sampled, args)
     except RuntimeError as error:
@@ -271,7 +276,7 @@ class RunState:
 def _settings(args) -> dict:
     """What the rows of a resumed run must share with the blocks already stored."""
     keys = ("target", "max_new_tokens", "prompt_seed", "num_prompts_per_set", "prompt_factor", "rounds",
-            "concurrencies", "sampled_concurrencies", "temperature", "sampling_seed")  # fmt: skip
+            "concurrencies", "sampled_concurrencies", "temperature", "sampling_seed", "max_model_len")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -280,7 +285,8 @@ def _run_info(args, methods, configs, preloads) -> dict:
     import transformers
 
     return {
-        "target": args.target, "max_new_tokens": args.max_new_tokens, "prompts_per_set": args.num_prompts_per_set,
+        "target": args.target, "max_new_tokens": args.max_new_tokens, "max_model_len": args.max_model_len,
+        "prompts_per_set": args.num_prompts_per_set,
         "prompt_factor": args.prompt_factor, "prompt_seed": args.prompt_seed, "groups": GROUPS,
         "rounds": args.rounds, "modes": args.mode_list, "concurrency": args.concurrencies,
         "sampling": {"temperature": args.temperature, "seed": args.sampling_seed,
@@ -362,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'!' * 100}\n{preload_warning(state.run_info)}\n{'!' * 100}\n", file=sys.stderr, flush=True)
     hf = HfEngine(hf_specs, args.target, args.torch_threads)
     prompts = encode_prompts(hf.tokenizer, plan, args.prompt_seed)
+    if vllm_specs and (error := too_long(prompts, args.max_new_tokens, args.max_model_len)):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     by_key = {p.key: p for p in prompts}
     started = time.perf_counter()
     blocks = schedule(args, hf_specs, vllm_specs)

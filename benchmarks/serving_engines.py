@@ -74,14 +74,15 @@ class VllmWorker:
     """A `serving_vllm_worker.py` process: one engine, JSON lines in and out, stderr to a log file."""
 
     def __init__(self, target: str, speculative_config: dict | None, log_path: Path, mode: str, threads_bind: str,
-                 env: dict):  # fmt: skip
+                 env: dict, max_model_len: int = 4096):  # fmt: skip
         stats = log_path.with_suffix(".proposer.json")  # the hf-retrace proposer's counters (plugin methods only)
         stats.unlink(missing_ok=True)
         # the preloads' environment first, then the bench's own settings (its cores, its stats file) over it
         env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "HF_HUB_OFFLINE": "1",
                                   "HF_RETRACE_VLLM_STATS": str(stats)}  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        command = [str(VLLM_PYTHON), str(WORKER), "--target", target] + (["--compile"] if mode == "compiled" else [])
+        command = [str(VLLM_PYTHON), str(WORKER), "--target", target, "--max-model-len", str(max_model_len)]
+        command += ["--compile"] if mode == "compiled" else []
         if speculative_config is not None:
             command += ["--speculative-config", json.dumps(speculative_config)]
         self.log_path = log_path

@@ -193,6 +193,18 @@ def encode_prompts(tokenizer, plan: PromptPlan, seed: int) -> list[Prompt]:
     return prompts
 
 
+def too_long(prompts: list[Prompt], max_new_tokens: int, max_model_len: int) -> str | None:
+    """What is wrong when a prompt and its `max_new_tokens` do not fit vLLM's `max_model_len` (vLLM would refuse the
+    request and end the block's engine after its other passes ran); `None` when all fit."""
+    over = [p for p in prompts if len(p.token_ids) + max_new_tokens > max_model_len]
+    if not over:
+        return None
+    names = ", ".join(f"{p.prompt_set}[{p.index}] ({len(p.token_ids)} tokens)" for p in over)
+    longest = max(len(p.token_ids) for p in over) + max_new_tokens
+    return (f"{len(over)} prompt(s) and --max-new-tokens {max_new_tokens} exceed --max-model-len {max_model_len}: "
+            f"{names}; pass --max-model-len {longest} or more, or fewer prompts (--num-prompts-per-set)")
+
+
 def chunk_rounds(prompts: list[Prompt], rounds: int) -> list[list[Prompt]]:
     """Cuts the prompts into `rounds` chunks of near-equal size, each mixing every set (prompt k: chunk k % rounds)."""
     rounds = max(1, min(rounds, len(prompts)))

@@ -106,8 +106,10 @@ def test_parse_args_defaults_and_quick(target):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--modes", "jit"], ["--sampled-concurrency", "2"], ["--temperature", "0"], ["--rounds", "0"]]
-)
+    "argv",
+    [["--modes", "jit"], ["--sampled-concurrency", "2"], ["--temperature", "0"], ["--rounds", "0"],
+     ["--max-model-len", "64"]],
+)  # fmt: skip
 def test_parse_args_usage_errors(target, argv):
     with pytest.raises(SystemExit) as error:
         serving.parse_args(["--target", target, *argv])
@@ -169,6 +171,15 @@ def test_prompt_plan_holds_twice_the_concurrency_per_group_and_keeps_sampled_pro
     assert sampled and not greedy & sampled
     assert plan.pick(prompts, 32, True) == []
     assert plan.total("unseen") == 32 + 8
+
+
+def test_a_prompt_past_max_model_len_is_named_before_any_engine_starts():
+    # vLLM refuses such a request and ends the block's engine, after the block's other passes already ran
+    prompts = [methods.Prompt("unseen", "codeio", i, [1] * n) for i, n in enumerate([100, 4040, 5034])]
+    assert methods.too_long(prompts[:1], 64, 4096) is None
+    error = methods.too_long(prompts, 64, 4096)
+    assert "codeio[1] (4040 tokens)" in error and "codeio[2] (5034 tokens)" in error
+    assert "--max-model-len 5098" in error and "codeio[0]" not in error
 
 
 def test_rounds_batches_and_rotation():
