@@ -134,15 +134,19 @@ def train(target, pool: Path, work: Path, args) -> object:
     return trainer
 
 
-def save_outputs(trainer, new_pool: Path, out: Path) -> None:
-    """The drafter in bf16 (sharded under the returned-file limit) and the new token shards as one tar, split."""
-    if trainer is not None:
-        drafter = trainer.accelerator.unwrap_model(trainer.model).to(torch.bfloat16)
-        drafter.save_pretrained(out / "drafter", max_shard_size=RETURNED_FILE_BYTES)
-        for code in (out / "drafter").glob("*.py"):  # remote code, written again by save_for_hub: 8 files come back
-            code.unlink()
-        (out / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        log(f"drafter saved to {out / 'drafter'}")
+def save_drafter(trainer, out: Path) -> None:
+    """The drafter in bf16, sharded under the returned-file limit, and the training log."""
+    drafter = trainer.accelerator.unwrap_model(trainer.model).to(torch.bfloat16)
+    drafter.save_pretrained(out / "drafter", max_shard_size=RETURNED_FILE_BYTES)
+    for code in (out / "drafter").glob("*.py"):  # remote code, written again by save_for_hub: 8 files come back
+        code.unlink()
+    (out / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    log(f"drafter saved to {out / 'drafter'}")
+
+
+def save_shards(new_pool: Path, out: Path) -> None:
+    """The new token shards as one tar, split under the returned-file limit. Written as soon as generation ends, so
+    that the rows come back even if training is cut short."""
     shards = sorted((new_pool / "tokens").glob("shard_*.npz"))
     if shards:
         archive = new_pool / "new-shards.tar"
@@ -182,14 +186,17 @@ def main():
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))  # fmt: skip
     target, tokenizer = load_default_target(torch.float32)
     target.to(args.device)
-    new_pool, trainer = args.work / "new-pool", None
-    try:
+    new_pool = args.work / "new-pool"
+    try:  # keep what the earlier steps made: the new rows are worth bringing back on their own
         generate(target, tokenizer, load_prompt_items(args.prompts, args.max_prompts), new_pool, args)
+    except Exception:
+        log("generation failed:\n" + traceback.format_exc())
+    save_shards(new_pool, args.out)
+    try:
         trainer = train(target, training_pool(new_pool, args.committed_pool, args.work / "train-pool"), args.work, args)
-    except Exception:  # keep what the earlier steps made: the new rows are worth bringing back on their own
-        log("step failed:\n" + traceback.format_exc())
-    save_outputs(trainer, new_pool, args.out)
-
+        save_drafter(trainer, args.out)
+    except Exception:
+        log("training failed:\n" + traceback.format_exc())
 
 if __name__ == "__main__":
     main()

