@@ -6,7 +6,7 @@
 #   bash experiments/gpu/slim-tree.sh back   # after them
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-KEEP='^(pyproject\.toml|hf_retrace/|training/recipes/|experiments/gpu/|data/smollm2-pool/|model_cards/smollm2-135m-dflash/)'
+KEEP='^(\.gitignore|pyproject\.toml|hf_retrace/|training/recipes/|experiments/gpu/|data/smollm2-pool/|model_cards/smollm2-135m-dflash/)'
 case "${1:-slim}" in
   slim)
     git diff --quiet HEAD || { echo "commit or stash your changes first: the slim branch is cut from HEAD" >&2; exit 1; }
