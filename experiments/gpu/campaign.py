@@ -5,8 +5,8 @@
 2. continue the shipped drafter on the whole pool, the committed rows and the new ones, with the target computing the
    features in every step (`training/recipes/smollm2-135m-dflash-gpu.yaml`), for `--train-minutes`: a short probe
    at learning rate 0 times a step, and `max_steps` is what fits, so the cosine schedule ends on time;
-3. write under `--out` what comes back: the drafter (bf16, shards under the 16 MiB a returned file may have), the new
-   token shards as one tar (split under 16 MiB) and the training log.
+3. write under `--out` what comes back (at most 8 files of 16 MiB): the new token shards as soon as generation ends,
+   then the drafter in bf16, each as one tar split under 15 MiB, and the training log.
 
     python experiments/gpu/campaign.py --out "$OUT"                         # on the GPU machine, via campaign.sh
     python experiments/gpu/campaign.py --out /tmp/smoke --device cpu --smoke   # the same steps, tiny, on a CPU
@@ -134,29 +134,32 @@ def train(target, pool: Path, work: Path, args) -> object:
     return trainer
 
 
-def save_drafter(trainer, out: Path) -> None:
-    """The drafter in bf16, sharded under the returned-file limit, and the training log."""
+def save_split(files: list[Path], archive: Path, out: Path) -> None:
+    """`files` as one tar, written to `out` in parts under the returned-file limit (`<archive name>.partN`)."""
+    with tarfile.open(archive, "w") as tar:
+        for path in files:
+            tar.add(path, arcname=path.name)
+    data = archive.read_bytes()
+    for k in range(0, len(data), RETURNED_FILE_BYTES):
+        (out / f"{archive.name}.part{k // RETURNED_FILE_BYTES}").write_bytes(data[k : k + RETURNED_FILE_BYTES])
+    log(f"{len(files)} files, {len(data) / 2**20:.1f} MiB, in {out}/{archive.name}.part*")
+
+
+def save_drafter(trainer, work: Path, out: Path) -> None:
+    """The drafter in bf16 as one split tar (at most 8 files come back: the drafter alone writes 6) and the log."""
     drafter = trainer.accelerator.unwrap_model(trainer.model).to(torch.bfloat16)
-    drafter.save_pretrained(out / "drafter", max_shard_size=RETURNED_FILE_BYTES)
-    for code in (out / "drafter").glob("*.py"):  # remote code, written again by save_for_hub: 8 files come back
-        code.unlink()
+    drafter.save_pretrained(work / "drafter-bf16", max_shard_size=RETURNED_FILE_BYTES)
+    files = [f for f in sorted((work / "drafter-bf16").iterdir()) if f.suffix != ".py"]  # remote code: written again
+    save_split(files, work / "drafter.tar", out)
     (out / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    log(f"drafter saved to {out / 'drafter'}")
 
 
 def save_shards(new_pool: Path, out: Path) -> None:
-    """The new token shards as one tar, split under the returned-file limit. Written as soon as generation ends, so
-    that the rows come back even if training is cut short."""
+    """The new token shards as one split tar, written as soon as generation ends, so that the rows come back even if
+    training is cut short."""
     shards = sorted((new_pool / "tokens").glob("shard_*.npz"))
     if shards:
-        archive = new_pool / "new-shards.tar"
-        with tarfile.open(archive, "w") as tar:
-            for shard in shards:
-                tar.add(shard, arcname=shard.name)
-        data = archive.read_bytes()
-        for k in range(0, len(data), RETURNED_FILE_BYTES):
-            (out / f"new-shards.tar.part{k // RETURNED_FILE_BYTES}").write_bytes(data[k : k + RETURNED_FILE_BYTES])
-        log(f"{len(shards)} new token shards, {len(data) / 2**20:.1f} MiB, in {out}/new-shards.tar.part*")
+        save_split(shards, new_pool / "new-shards.tar", out)
 
 
 def main():
@@ -194,7 +197,7 @@ def main():
     save_shards(new_pool, args.out)
     try:
         trainer = train(target, training_pool(new_pool, args.committed_pool, args.work / "train-pool"), args.work, args)
-        save_drafter(trainer, args.out)
+        save_drafter(trainer, args.work, args.out)
     except Exception:
         log("training failed:\n" + traceback.format_exc())
 
