@@ -148,3 +148,49 @@ def test_a_corrupt_file_raises(tmp_path, text):
         path.write_text(json.dumps(payload))
     with pytest.raises(ValueError, match="step-cost file"):
         StepCostModel.load(path, key)
+
+
+def _context_steps(model, a, c, steps=3000, noise=0.002, seed=0):
+    """Feeds `model` steps of 4-32 requests of 100-4000 tokens, each verifying 0-3 tokens, timed by a fixed curve
+    plus `a` per context token of a request's first row and `c` per context token of its other rows."""
+    rng = np.random.default_rng(seed)
+    truth = CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25])
+    for _ in range(steps):
+        n = int(rng.integers(4, 33))
+        lengths, verified = rng.integers(100, 4000, size=n), rng.integers(0, 4, size=n)
+        rows, first, other = n + int(verified.sum()), int(lengths.sum()), int((verified * lengths).sum())
+        model.observe(rows, 0, truth(rows) + a * first + c * other + rng.normal(0.0, noise), None, first, other)
+    return truth
+
+
+@pytest.mark.parametrize(
+    "a, c", [(1e-6, 1e-6), (1e-6, 0.0), (0.0, 0.0)], ids=["every-row-reads", "first-row-reads", "no-context-cost"]
+)
+def test_context_costs_are_learned_from_how_step_times_vary(a, c):
+    """Whether a kernel reads a request's K/V once per row or once per request, the two terms are told apart; where
+    context costs nothing they stay near 0 and the knots keep the steps' level."""
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]))
+    truth = _context_steps(model, a, c)
+    first, other = model.context
+    assert first == pytest.approx(a, abs=3e-7) and other == pytest.approx(c, abs=4e-7)
+    assert model.target(32) == pytest.approx(truth(32), rel=0.1)
+    # a verified row of a long request costs more than one of a short request exactly when other rows read
+    assert model.marginal_row_cost(32, 4000) - model.marginal_row_cost(32, 100) == pytest.approx(3900 * other)
+
+
+def test_context_costs_are_saved_and_an_older_file_reads_as_none(tmp_path):
+    key = host_key("transformers", "t", "float32", 2, False)
+    model = StepCostModel.fit([(1, 0.02), (8, 0.04)], [(16, 0.005)], context=(2e-7, 1e-7))
+    model.save(tmp_path / "m.json", key)
+    assert StepCostModel.load(tmp_path / "m.json", key).context == (2e-7, 1e-7)
+    payload = json.loads((tmp_path / "m.json").read_text())
+    del payload["context"]
+    payload["version"] = 1  # written before the context terms: they read as 0
+    (tmp_path / "old.json").write_text(json.dumps(payload))
+    assert StepCostModel.load(tmp_path / "old.json", key).context == (0.0, 0.0)
+    payload["version"], payload["context"] = 2, [1e-7, -1.0]
+    (tmp_path / "bad.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="context costs must be finite numbers >= 0"):
+        StepCostModel.load(tmp_path / "bad.json", key)
+    with pytest.raises(ValueError, match="context must be"):
+        StepCostModel.fit([(1, 0.02)], [(16, 0.005)], context=(1e-7,))

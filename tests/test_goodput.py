@@ -230,3 +230,23 @@ def test_speedup_ceiling_is_the_best_k_on_the_curve():
 def test_speedup_ceiling_rejects_bad_values(n, p):
     with pytest.raises(ValueError, match="speedup_ceiling needs"):
         speedup_ceiling(_costs(), n, p)
+
+
+def test_a_long_request_verifies_fewer_tokens_when_its_rows_read_its_context():
+    """With `c > 0` a verified row of a request of `L` tokens costs `c * L` more: of two requests with the same
+    proposal, the long one verifies fewer tokens; with `c = 0` (or only a first-row term) they verify the same."""
+    estimator = FixedEstimator(lookup=0.7)
+
+    def counts(context):
+        costs = _costs(row_ms=1.0)
+        costs.context = context
+        requests = _lookups(2, k=8)
+        requests[0].context_tokens, requests[1].context_tokens = 100, 8000
+        plan = _plan(requests, estimator, costs)
+        first, other = 8100, sum(r.num_verified * r.context_tokens for r in plan.requests)
+        assert plan.expected_seconds == pytest.approx(costs.step_seconds(plan.rows, 0, first, other))
+        return [r.num_verified for r in plan.requests]
+
+    short, long = counts((0.0, 2e-7))  # a row of 8,000 tokens: 1.6 ms more
+    assert short > long > 0
+    assert counts((0.0, 0.0)) == counts((2e-7, 0.0)) == [short, short]

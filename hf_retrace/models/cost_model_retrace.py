@@ -3,7 +3,8 @@
 # Hub file: imports numpy and the standard library only (no torch), so both engines share it unchanged; the vLLM
 # plugin vendors it byte-identical.
 """The step-cost model of cost-aware speculation (docs/cost-aware-speculation.md): how long a target step takes
-for `R` verified rows in the batch (batch x tokens), `t(R)`, and a drafter forward for `S` slots, `d(S)`.
+for `R` verified rows in the batch (batch x tokens), `t(R)`, plus what reading the requests' contexts adds, and a
+drafter forward for `S` slots, `d(S)`.
 
 Both are monotone piecewise-linear curves through measured points, fitted once from a profile (engine start, or
 first use in transformers), cached per host and configuration, and refreshed online from the step times the engine
@@ -26,7 +27,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 FORMAT = "hf_retrace-step-cost"
-VERSION = 1
+VERSION = 2  # 2 added the context term; a version-1 file is read with `context = 0`
 
 
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -240,16 +241,30 @@ def measure(run, sizes, repeats: int = 3, warmup: int = 1) -> list[tuple[int, fl
 
 @dataclass
 class StepCostModel:
-    """Target step time `t(R)` for `R` verified rows and drafter time `d(S)` for `S` drafter slots, in seconds.
+    """Target step time for `R` verified rows, `t(R) + a * K + c * X`, and drafter time `d(S)` for `S` drafter slots,
+    in seconds.
+
+    A row at position `p` attends to `p + 1` tokens. `K` sums that over each request's first row (one read of every
+    request's context) and `X` over its other rows (its verified tokens, or a prefill chunk's later rows). Whether an
+    attention kernel reads a request's K/V once for all its rows or once per row decides whether a verified row's
+    context costs little (`c` near 0) or as much as the first row's (`c` near `a`), so both are learned.
+
+    `t(R)` is measured with short contexts; `a` and `c` are learned online from how the steps' times vary with `K`
+    and `X` (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
+    `t(R + 1) - t(R) + c * L`: a long request may pay more for its drafts than a short one.
 
     Args:
         target (`CostCurve`): `t(R)`.
         drafter (`CostCurve`): `d(S)`; `d(0) = 0` (no drafter forward).
+        context (`tuple[float, float]`, *optional*, defaults to `(0, 0)`): `(a, c)`, seconds per context token of a
+            request's first row and of its other rows.
         alpha (`float`, *optional*, defaults to 0.05): weight of one observed step in the online refresh, once a
             knot has seen `1 / alpha - 4` of them (earlier ones weigh more, see [`CostCurve.observe`]); 0 freezes it.
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
+        context_rate (`float`, *optional*, defaults to 0.05): step size of the online estimate of `(a, c)`; 0 freezes
+            it.
 
     Example:
     ```python
@@ -261,10 +276,27 @@ class StepCostModel:
 
     target: CostCurve
     drafter: CostCurve
+    context: tuple = (0.0, 0.0)
     alpha: float = 0.05
     max_change: float = 0.5
+    context_rate: float = 0.05
     num_observed: int = field(default=0, compare=False)
 
+    def __post_init__(self):
+        self.context = tuple(_context(v) for v in self.context)
+        if len(self.context) != 2:
+            raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
+                             f"{self.context}")  # fmt: skip
+        # decayed mean and covariance of the observed steps' (K, X): (a, c) learn from their deviations, the knots
+        # from their level
+        self._context_mean = np.zeros(2)
+        self._context_cov = np.zeros((2, 2))
+        self._context_raw = np.array(self.context)  # the estimate before clipping at 0 (clipping it would bias it up)
+
+    @property
+    def context_per_row(self) -> float:
+        """`c`: seconds per context token for each row of a request beyond its first (a verified token's row)."""
+        return self.context[1]
     @classmethod
     def fit(cls, target_samples, drafter_samples, **kwargs) -> "StepCostModel":
         """A model from a profile: `(rows, seconds)` samples of target steps, `(slots, seconds)` of drafter
@@ -277,34 +309,70 @@ class StepCostModel:
     def drafter_seconds(self, slots) -> np.ndarray | float:
         return self.drafter(slots)
 
-    def step_seconds(self, rows, slots) -> np.ndarray | float:
-        """`t(rows) + d(slots)`."""
-        return self.target(rows) + self.drafter(slots)
+    def context_seconds(self, first_rows_context, other_rows_context=0) -> np.ndarray | float:
+        """`a * K + c * X`: what reading the contexts adds to a target step beyond `t(R)`, for `K` context tokens of
+        the requests' first rows and `X` of their other rows."""
+        return self.context[0] * first_rows_context + self.context[1] * other_rows_context
 
-    def marginal_row_cost(self, rows: int) -> float:
-        """`t(rows + 1) - t(rows)`: what one more verified row costs in a step of `rows` rows."""
-        return float(self.target(rows + 1) - self.target(rows))
+    def step_seconds(self, rows, slots, first_rows_context=0, other_rows_context=0) -> np.ndarray | float:
+        """`t(rows) + a * K + c * X + d(slots)`."""
+        context = self.context_seconds(first_rows_context, other_rows_context)
+        return self.target(rows) + context + self.drafter(slots)
 
-    def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None) -> None:
-        """Refreshes the curves from one observed step of `rows` verified rows and `slots` drafter slots that took
-        `seconds` in all. With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that
-        drafted is split between the two in proportion to their predictions."""
+    def marginal_row_cost(self, rows: int, context_tokens: int = 0) -> float:
+        """`t(rows + 1) - t(rows) + c * context_tokens`: what one more verified row, of a request with
+        `context_tokens` tokens, costs in a step of `rows` rows."""
+        return float(self.target(rows + 1) - self.target(rows)) + self.context[1] * context_tokens
+
+    def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None,
+                first_rows_context: int = 0, other_rows_context: int = 0) -> None:  # fmt: skip
+        """Refreshes the model from one observed step of `rows` verified rows and `slots` drafter slots that took
+        `seconds` in all; its rows read `first_rows_context` (`K`) and `other_rows_context` (`X`) context tokens.
+        With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that drafted is split in
+        proportion to the predictions.
+
+        The target's part less `a * K + c * X` refreshes `t(R)`. Its residual teaches `(a, c)` by how far this step's
+        `(K, X)` is from the recent steps' mean (a least-mean-squares step normalised by their covariance): the knots
+        follow the level, and `(a, c)` what is left when the contexts vary, steps of the same rows that read more
+        context taking longer."""
         if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
             return
+        context_part = self.context_seconds(first_rows_context, other_rows_context)
         if slots > 0 and drafter_seconds is None:
-            predicted_t, predicted_d = self.target(rows), self.drafter(slots)
+            predicted_t, predicted_d = self.target(rows) + context_part, self.drafter(slots)
             drafter_seconds = seconds * predicted_d / max(predicted_t + predicted_d, 1e-12)
         if slots > 0:
             self.drafter.observe(slots, drafter_seconds, self.alpha, self.max_change)
-        self.target.observe(rows, seconds - (drafter_seconds or 0.0), self.alpha, self.max_change)
+        target_seconds = seconds - (drafter_seconds or 0.0)
+        residual = target_seconds - self.target(rows) - context_part
+        self._learn_context(residual, np.array([first_rows_context, other_rows_context], dtype=np.float64))
+        self.target.observe(rows, target_seconds - context_part, self.alpha, self.max_change)
         self.num_observed += 1
+
+    def _learn_context(self, residual: float, tokens: np.ndarray, decay: float = 0.98) -> None:
+        """One least-mean-squares step of `(a, c)` on `residual` (seconds beyond the prediction) along the deviation
+        of `tokens = (K, X)` from their decayed mean, normalised by their decayed covariance (a Newton step, so `K`
+        and `X`, which move together, share the residual by what tells them apart). The residual is clipped to half a
+        one-row step, so a stall moves `(a, c)` by a bounded amount. The model uses the estimates clipped at 0; the
+        estimates themselves are not clipped, since a random walk held at 0 drifts up."""
+        if self.context_rate <= 0 or not tokens.any():
+            return
+        deviation = tokens - self._context_mean
+        self._context_mean += (1.0 - decay) * deviation
+        self._context_cov = decay * self._context_cov + (1.0 - decay) * np.outer(deviation, deviation)
+        ridge = 1e-3 * np.trace(self._context_cov) + 1e-12  # keeps it invertible while X has not varied yet
+        direction = np.linalg.solve(self._context_cov + ridge * np.eye(2), deviation)
+        bound = self.max_change * float(self.target(1))
+        residual = min(max(residual, -bound), bound)
+        self._context_raw = self._context_raw + self.context_rate * residual * direction
+        self.context = tuple(max(0.0, float(v)) for v in self._context_raw)
 
     def save(self, path, key: HostKey) -> None:
         """Writes the curves and `key` as JSON (atomically: a crash never leaves half a file)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"format": FORMAT, "version": VERSION, "key": asdict(key),
-                   "target": self.target.to_list(), "drafter": self.drafter.to_list()}  # fmt: skip
+        payload = {"format": FORMAT, "version": VERSION, "key": asdict(key), "target": self.target.to_list(),
+                   "drafter": self.drafter.to_list(), "context": [float(v) for v in self.context]}  # fmt: skip
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, path)
@@ -330,7 +398,8 @@ class StepCostModel:
                            path, what)  # fmt: skip
             return None
         try:
-            return cls(_curve(payload["target"], path), _curve(payload["drafter"], path), **kwargs)
+            return cls(_curve(payload["target"], path), _curve(payload["drafter"], path),
+                       _context_pair(payload.get("context", [0.0, 0.0])), **kwargs)  # fmt: skip
         except ValueError as error:
             raise ValueError(f"{path} is not a valid step-cost file: {error}") from error
 
@@ -342,8 +411,9 @@ def _read_payload(path: Path) -> dict:
         raise ValueError(f"{path} is not a valid step-cost file ({error}); delete it to re-measure") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or not isinstance(payload.get("key"), dict):
         raise ValueError(f"{path} is not a step-cost file (format {FORMAT!r} expected); delete it to re-measure")
-    if payload.get("version") != VERSION:
-        raise ValueError(f"{path} has step-cost format version {payload.get('version')}, this code reads {VERSION}")
+    if payload.get("version") not in (1, VERSION):
+        version = payload.get("version")
+        raise ValueError(f"{path} has step-cost format version {version}, this code reads 1 to {VERSION}")
     return payload
 
 
@@ -352,3 +422,15 @@ def _curve(knots, path: Path) -> CostCurve:
         raise ValueError(f"knots must be [[size, seconds], ...], got {str(knots)[:80]}")
     array = np.array(knots, dtype=np.float64).reshape(-1, 2)
     return CostCurve(array[:, 0], array[:, 1])
+
+
+def _context_pair(value) -> tuple:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"context must be [a, c], seconds per context token, got {str(value)[:80]}")
+    return tuple(value)
+
+
+def _context(value) -> float:
+    if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        raise ValueError(f"context costs must be finite numbers >= 0 (seconds per context token), got {value!r}")
+    return float(value)

@@ -317,7 +317,12 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         self.stats.num_empty_steps += self._verified == 1
         self.policy.outcome(self.request_id, n)
         drafter_seconds = self._drafter_seconds if self._drafted else None
-        self.policy.step_time(self._verified, self.block_size if self._drafted else 0, target_seconds, drafter_seconds)
+        # `input_ids` holds the `n + 1` new tokens: the verified rows sat at positions L - 1 .. L - 2 + rows of the
+        # L tokens before them, and the row at position p read p + 1: L for the first, L + 1 .. L + rows - 1 after
+        rows, before = self._verified, input_ids.shape[1] - n - 1
+        context = (before, (rows - 1) * before + rows * (rows - 1) // 2)
+        slots = self.block_size if self._drafted else 0
+        self.policy.step_time(rows, slots, target_seconds, drafter_seconds, context)
         if self.policy.last_step is not None:
             self.stats.predicted_seconds.append(self.policy.last_step.expected_seconds)
             self.stats.measured_seconds.append(target_seconds + (drafter_seconds or 0.0))

@@ -8,9 +8,11 @@ expected committed tokens per second is highest. See docs/cost-aware-speculation
 
 A step of `n` requests verifying `V` proposed tokens in all runs `R = n + V` target rows and, when `m` requests draft,
 `S = m * block_size` drafter slots; it commits in expectation `E = sum over requests of (1 + sum of the survival
-probabilities of its verified tokens)` in `T = t(R) + d(S)` seconds. (request, position) slots are admitted in
-order of survival probability while the marginal tokens per marginal second beat the current rate `E / T`: the
-prefix of that order with the highest `E / T` (with linear costs, exactly where the greedy rule stops).
+probabilities of its verified tokens)` in `T = t(R) + a * K + c * X + d(S)` seconds, where each row reads its
+request's `L` context tokens (`K`: the sum over the requests' first rows, `X`: over their verified rows).
+(request, position) slots are admitted in order of survival probability per marginal second (`t`'s marginal row cost
+plus `c * L`; with `c = 0`, survival order) while the marginal tokens per marginal second beat the current rate
+`E / T`: the prefix of that order with the highest `E / T` (with linear costs, exactly where the greedy rule stops).
 
 A step that also carries `P` prefill rows (other requests' prompt chunks) takes `t(R + P)`, and a prefill row is a
 unit of work done, like a committed token: the rate is `(E + P) / T`. Under a row budget (`max_rows`, vLLM's
@@ -67,12 +69,15 @@ class StepRequest:
         proposals (`list[Proposal]`, *optional*): its lookup proposals (any number, including none).
         can_draft (`bool`, *optional*, defaults to `True`): whether the drafter may draft for it this step.
         max_tokens (`int`, *optional*): at most this many tokens may be verified (its remaining length budget).
+        context_tokens (`int`, *optional*, defaults to 0): `L`, its tokens so far (prompt and generated): each of
+            its rows reads that many, which the cost model's `c` prices.
     """
 
     request_id: object
     proposals: list[Proposal] = field(default_factory=list)
     can_draft: bool = True
     max_tokens: int | None = None
+    context_tokens: int = 0
 
 
 @dataclass
@@ -88,6 +93,7 @@ class RequestPlan:
         acceptance (`np.ndarray` of shape `(num_verified,)`): conditional acceptance estimates of those tokens.
         proposal (`Proposal`, *optional*): the chosen lookup proposal.
         max_tokens (`int`, *optional*): the most tokens this request may verify (`max_verified`, its length budget).
+        context_tokens (`int`, *optional*, defaults to 0): its tokens so far, as in [`StepRequest`].
     """
 
     request_id: object
@@ -97,6 +103,7 @@ class RequestPlan:
     acceptance: np.ndarray
     proposal: Proposal | None = None
     max_tokens: int | None = None
+    context_tokens: int = 0
 
     @property
     def expected_tokens(self) -> float:
@@ -113,7 +120,8 @@ class StepPlan:
         rows (`int`): target rows of the step, `R + P`: one per request, its verified tokens, and the prefill rows.
         drafter_slots (`int`): drafter slots `S` (`block_size` per drafting request).
         expected_tokens (`float`): `E`, tokens committed by the planned requests.
-        expected_seconds (`float`): `T = t(R + P) + d(S)`.
+        expected_seconds (`float`): `T = t(R + P) + a * K + c * X + d(S)` (the prefill rows' contexts are not known
+            here).
         prefill_rows (`int`, *optional*, defaults to 0): `P`, prefill rows the step runs beside the requests.
     """
 
@@ -151,7 +159,8 @@ _NOTHING = _Option(None, np.zeros(0))
 
 
 def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, drafter_slots: int | None = None,
-           max_rows: int | None = None, whole_batch: bool = False, prefill_rows: int = 0) -> tuple:  # fmt: skip
+           max_rows: int | None = None, whole_batch: bool = False, prefill_rows: int = 0,
+           contexts: list[int] | None = None) -> tuple:  # fmt: skip
     """The best admission prefix for one source per request.
 
     Returns:
@@ -159,6 +168,7 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
         `block_size` slots when its first draft is admitted (`whole_batch`: the first admitted draft of any request
         adds `n * block_size`, the engine's drafter runs for every request); otherwise the slots are fixed (the
         drafter already ran). `P`: the prefill rows run, `prefill_rows` less what verification took of `max_rows`.
+        `contexts`: each request's `L`, the context tokens each of its rows reads.
     """
     n = len(options)
     lengths = np.array([len(o.survival) for o in options], dtype=np.int64)
@@ -166,9 +176,16 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
     req = np.repeat(np.arange(n), lengths)
     pos = np.arange(surv.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # position within its request
     drafts = np.repeat(np.array([o.source == DRAFTER for o in options], dtype=bool), lengths)
-    order = np.lexsort((pos, -surv))  # by survival, ties by position: a request's slots come in position order
+    context = np.zeros(n) if contexts is None else np.asarray(contexts, dtype=np.float64)
+    key, per_row = surv, cost_model.context_per_row
+    if per_row > 0:  # survival per marginal second: a verified row of a long request costs more
+        key = surv / (cost_model.marginal_row_cost(n + max(int(prefill_rows), 0)) + per_row * context[req])
+    # by key, ties by position: survival falls along a request's positions and its row cost is the same, so a
+    # request's slots come in position order
+    order = np.lexsort((pos, -key))
     surv, req, pos, drafts = surv[order], req[order], pos[order], drafts[order]
     expected = n + np.concatenate([[0.0], np.cumsum(surv)])
+    other = np.concatenate([[0.0], np.cumsum(context[req])])  # X of each prefix: the verified rows' contexts
     rows = n + np.arange(surv.size + 1)
     if drafter_slots is None:
         slots = block_size * np.concatenate([[0], np.cumsum(drafts & (pos == 0))])
@@ -179,7 +196,7 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
     prefill = np.full(rows.size, max(int(prefill_rows), 0))
     if max_rows is not None:  # the scheduler gives the budget to verification first, the prefill gets the rest
         prefill = np.clip(max_rows - rows, 0, prefill)
-    seconds = cost_model.target_seconds(rows + prefill) + cost_model.drafter_seconds(slots)
+    seconds = cost_model.step_seconds(rows + prefill, slots, context.sum(), other)
     rate = (expected + prefill) / np.maximum(np.asarray(seconds, dtype=np.float64), 1e-12)
     if max_rows is not None:
         rate = np.where(rows <= max(max_rows, n), rate, -np.inf)
@@ -207,15 +224,19 @@ def _value(option: _Option, threshold: float, fixed_cost: float) -> float:
 
 
 def _pick(choices: list[list[_Option]], cost_model: StepCostModel, block_size: int, rate: float,
-          whole_batch: bool = False, prefill_rows: int = 0) -> list[_Option]:  # fmt: skip
+          whole_batch: bool = False, prefill_rows: int = 0,
+          contexts: list[int] | None = None) -> list[_Option]:  # fmt: skip
     """One option per request, the highest value at `rate`; the drafter's `d(S)` is shared among the requests that
-    may draft (its per-request part is charged to each; `whole_batch`: the forward of all `n` requests is)."""
+    may draft (its per-request part is charged to each; `whole_batch`: the forward of all `n` requests is). A row
+    costs `t`'s marginal row cost plus `c` times its request's context (`contexts`)."""
     n = len(choices)
-    threshold = rate * cost_model.marginal_row_cost(n + prefill_rows)
+    row_cost = cost_model.marginal_row_cost(n + prefill_rows)
+    contexts = [0] * n if contexts is None else contexts
     num_drafters = sum(any(o.source == DRAFTER for o in c) for c in choices)
     slots = block_size * (n if whole_batch else num_drafters)
     share = rate * cost_model.drafter_seconds(slots) / num_drafters if num_drafters else 0.0
-    return [max(c, key=lambda o: _value(o, threshold, share)) for c in choices]
+    return [max(c, key=lambda o, t=rate * (row_cost + cost_model.context_per_row * L): _value(o, t, share))
+            for c, L in zip(choices, contexts)]  # fmt: skip
 
 
 def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], solved) -> StepPlan:
@@ -226,7 +247,7 @@ def _plan(options: list[_Option], requests: list[StepRequest], caps: list[int], 
             option = _NOTHING
         tokens = list(option.proposal.tokens[:count]) if option.proposal is not None else []
         plans.append(RequestPlan(request.request_id, option.source, count, tokens, option.acceptance[:count],
-                                 option.proposal, cap))  # fmt: skip
+                                 option.proposal, cap, request.context_tokens))  # fmt: skip
     return StepPlan(plans, len(requests) + int(counts.sum()) + prefill, slots, expected, seconds, prefill)
 
 
@@ -255,9 +276,10 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
         return StepPlan([], 0, 0, 0.0, 0.0)
     caps = [max(0, min(max_verified, max_verified if r.max_tokens is None else r.max_tokens)) for r in requests]
     lookups = [_lookup_options(r, estimator, cap) for r, cap in zip(requests, caps)]
+    contexts = [r.context_tokens for r in requests]
 
     def solve(options: list[_Option]) -> StepPlan:
-        solved = _solve(options, cost_model, block_size, None, max_rows, whole_batch_drafter, prefill_rows)
+        solved = _solve(options, cost_model, block_size, None, max_rows, whole_batch_drafter, prefill_rows, contexts)
         return _plan(options, requests, caps, solved)
 
     best = solve(_pick(lookups, cost_model, block_size, 0.0))  # rate 0: the most-surviving lookup per request
@@ -268,7 +290,7 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
     picked = None
     for _ in range(2):  # the choice depends on the rate and the rate on the choice: refine once
         previous, picked = picked, _pick(choices, cost_model, block_size, best.goodput, whole_batch_drafter,
-                                         prefill_rows)  # fmt: skip
+                                         prefill_rows, contexts)  # fmt: skip
         if picked == previous:
             break
         candidate = solve(picked)
@@ -298,9 +320,10 @@ def choose_num_verified(plan: StepPlan, drafter_probabilities, cost_model: StepC
         [`StepPlan`]: the final plan; a drafting request's `num_verified` leading drafts are verified.
     """
     options = [_verified_option(p, drafter_probabilities, estimator, max_verified) for p in plan.requests]
-    requests = [StepRequest(p.request_id) for p in plan.requests]
+    requests = [StepRequest(p.request_id, context_tokens=p.context_tokens) for p in plan.requests]
     caps = [p.max_tokens for p in plan.requests]
-    solved = _solve(options, cost_model, 0, plan.drafter_slots, max_rows, prefill_rows=prefill_rows)
+    contexts = [p.context_tokens for p in plan.requests]
+    solved = _solve(options, cost_model, 0, plan.drafter_slots, max_rows, prefill_rows=prefill_rows, contexts=contexts)
     final = _plan(options, requests, caps, solved)
     for mine, planned in zip(final.requests, plan.requests):  # a drafting request verifying 0 drafts still drafted
         if planned.source == DRAFTER:

@@ -72,6 +72,15 @@ class StepBatch:
         """`R`: the rows the target verified this step."""
         return int(self.query_start[-1]) if self.query_start else 0
 
+    @property
+    def context_tokens(self) -> tuple[int, int]:
+        """`(K, X)`: the context tokens the step's rows read (a row at position `p` reads `p + 1`), summed over each
+        request's first row and over its other rows (verified tokens, a prefill chunk's later rows)."""
+        rows = self.num_rows
+        every = int(self.positions[:rows].sum()) + rows
+        first = int(self.positions[self.query_start[:-1]].sum()) + self.size if rows else 0
+        return first, every - first
+
 
 def read_step_batch(
     input_batch, cad, target_token_ids, target_positions, next_token_ids, num_rejected_tokens_gpu

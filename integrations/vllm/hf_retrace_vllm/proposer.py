@@ -326,7 +326,8 @@ class ReTraceDFlashProposer(DFlashProposer):
         self._planned = None
         if final is not None and final.requests:
             planned_ids = frozenset(r.request_id for r in final.requests)
-            self._planned = PlannedStep(planned_ids, final.rows, float(model.target_seconds(final.rows)),
+            predicted = final.expected_seconds - float(model.drafter_seconds(final.drafter_slots))
+            self._planned = PlannedStep(planned_ids, final.rows, predicted,
                                         final.expected_tokens)  # fmt: skip
         if self.last_step.drafter_slots:  # the model's price of the forward that ran: exploring ones had no plan
             predicted = model.drafter_seconds(self.last_step.drafter_slots)
@@ -336,7 +337,7 @@ class ReTraceDFlashProposer(DFlashProposer):
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
         neither the proposer's nor the engine's time."""
-        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots)
+        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, step.context_tokens)
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())

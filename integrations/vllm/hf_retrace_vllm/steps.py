@@ -31,6 +31,8 @@ class StepRecord:
             since the last one when it is due (context_kv.py).
         drafter_seconds (`float`): the drafter's block forward and draft logits (0 when skipped).
         propose_seconds (`float`): the whole `propose()`.
+        context_tokens (`tuple[int, int]`): `(K, X)`, the context tokens the target's rows read (a row at position
+            `p` reads `p + 1`), over each request's first row and over its other rows: the cost model's context terms.
     """
 
     rows: int
@@ -41,6 +43,7 @@ class StepRecord:
     context_kv_seconds: float
     drafter_seconds: float
     propose_seconds: float
+    context_tokens: tuple = (0, 0)
 
     def timings(self) -> dict[str, float]:
         """`{part: seconds}` of this step, `engine` included when known (the stats file's `timings` adds these)."""
@@ -75,10 +78,10 @@ class StepClock:
         self._parts[part] += now - self._mark
         self._mark = now
 
-    def finish(self, rows: int, requests: int, drafter_slots: int) -> StepRecord:
+    def finish(self, rows: int, requests: int, drafter_slots: int, context_tokens: tuple = (0, 0)) -> StepRecord:
         record = StepRecord(
             rows, requests, drafter_slots, self._engine, self._parts["policy"], self._parts["context_kv"],
-            self._parts["drafter"], time.perf_counter() - self._start,
+            self._parts["drafter"], time.perf_counter() - self._start, context_tokens,
         )  # fmt: skip
         self.records.append(record)
         return record
@@ -145,8 +148,8 @@ class PredictionLedger:
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """A goodput plan's prediction of the step that verifies it: its requests, target rows `R`, `t(R)` in seconds
-    and expected committed tokens `E`."""
+    """A goodput plan's prediction of the step that verifies it: its requests, target rows `R`, the target's part of
+    its time (`T - d(S)`: `t(R)` and the context terms) in seconds and expected committed tokens `E`."""
 
     req_ids: frozenset
     rows: int

@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 from test_lossless_random import write_drafter
 
 from conftest import PROMPTS, close_llm, greedy, make_llm
@@ -101,6 +102,24 @@ def test_prefill_left_counts_the_prompt_rows_after_this_chunk():
     assert prefill_left(batch, step) == 40
     batch.num_computed_tokens_cpu[1] = 60  # b's last chunk
     assert prefill_left(batch, step) == 0
+
+
+def test_step_context_tokens_split_first_rows_from_the_others():
+    """a verifies 2 rows at positions 9, 10 (it reads 10, then 11 tokens); b runs a 3-row prefill chunk from
+    position 20 (21, 22, 23); c decodes 1 row at position 4 (5). First rows: 10 + 21 + 5; the others: 11 + 22 + 23."""
+    positions = torch.tensor([9, 10, 20, 21, 22, 4])
+    step = StepBatch(["a", "b", "c"], [0, 2, 5, 6], [0, 0, 0], positions, None, [1, 2, 3])
+    assert step.context_tokens == (36, 56)
+    assert StepBatch([], [0], [], torch.zeros(0, dtype=torch.long), None, []).context_tokens == (0, 0)
+
+
+def test_observed_steps_pass_their_context_to_the_cost_model(tmp_path):
+    costs = EngineCosts(engine_key("t", "float32", 2, True), tmp_path / "c.json", save_at_exit=False)
+    seen = []
+    record = StepRecord(5, 2, 0, 0.02, 0.001, 0.0, 0.0, 0.002, (300, 450))
+    costs.source = "profile"  # past the warm-up: every step refreshes the model
+    assert costs.observe(record, lambda *args: seen.append(args))
+    assert seen == [(5, 0, pytest.approx(0.022), 0.0, (300, 450))]
 
 
 def test_bound_threads_reads_vllm_bind_lists():

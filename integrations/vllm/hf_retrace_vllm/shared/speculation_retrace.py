@@ -23,7 +23,7 @@ for request_id in plan.drafting:          # run the drafter for these only (none
 verified = policy.num_drafts(plan, confidences)  # {request_id: k}, 0 allowed (then one plain target row)
 ...                                       # verify; time the target and the drafter
 policy.outcome(request_id, num_accepted)  # for every request that verified something
-policy.step_time(rows, drafter_slots, target_seconds, drafter_seconds)
+policy.step_time(rows, drafter_slots, target_seconds, drafter_seconds, context_tokens)
 policy.commit(request_id, new_tokens)     # and policy.finish(request_id) when it ends
 ```
 
@@ -291,7 +291,7 @@ class SpeculationPolicy:
                     proposal.source_name = source.name  # the stats' name; `proposal.source` is the estimator's
                     proposals.append(proposal)
         can_draft = self.block_size >= 2 and max_tokens > 0
-        return StepRequest(rid, proposals, can_draft, max(max_tokens, 0))
+        return StepRequest(rid, proposals, can_draft, max(max_tokens, 0), context_tokens=len(tokens))
 
     def num_drafts(self, plan: SpeculationPlan, confidences) -> dict:
         """Stage 2, after the drafter ran for `plan.drafting`.
@@ -359,13 +359,15 @@ class SpeculationPolicy:
                 self.calibration.update(source, predicted, accepted)
             self.estimator.update(source, features, accepted, request_id)
 
-    def step_time(self, rows: int, drafter_slots: int, target_seconds: float,
-                  drafter_seconds: float | None = None) -> None:  # fmt: skip
-        """Refreshes the cost model from one measured step: `rows` target rows in `target_seconds`, and the drafter's
+    def step_time(self, rows: int, drafter_slots: int, target_seconds: float, drafter_seconds: float | None = None,
+                  context_tokens: tuple = (0, 0)) -> None:  # fmt: skip
+        """Refreshes the cost model from one measured step: `rows` target rows in `target_seconds`, which read
+        `context_tokens = (K, X)` context tokens (the requests' first rows, their other rows), and the drafter's
         `drafter_slots` slots in `drafter_seconds` (`None`: not timed apart, the step is split by prediction)."""
         if self.cost_model is not None:
             seconds = float(target_seconds) + float(drafter_seconds or 0.0)
-            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds)
+            first, other = (int(k) for k in context_tokens)
+            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds, first, other)
 
     # -- request lifecycle ------------------------------------------------------------------------------------------
     def start(self, request_id, prompt_tokens) -> None:
