@@ -195,6 +195,9 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
     # profiled at start-up, the default (the prior's path is unit-tested above), and saved
     assert proposer.costs.source == "profile" and proposer.costs.path.exists()
     assert proposer.costs.model.target_seconds(8) > proposer.costs.model.target_seconds(1) > 0
+    records = [r for r in proposer.clock.records if r.rows]  # each step knows the contexts its rows read
+    assert records and all(r.context_tokens[0] >= r.requests for r in records)
+    assert any(r.context_tokens[1] > 0 for r in records)  # prompt rows after the first, verified drafts
     assert stats["online_datastore_bytes"] > 0, stats
     online = proposer.online_datastore  # every finished request freed, its response in the global index
     assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
