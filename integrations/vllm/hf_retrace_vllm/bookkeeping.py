@@ -72,14 +72,18 @@ class StepBatch:
         """`R`: the rows the target verified this step."""
         return int(self.query_start[-1]) if self.query_start else 0
 
-    @property
-    def context_tokens(self) -> tuple[int, int]:
-        """`(K, X)`: the context tokens the step's rows read (a row at position `p` reads `p + 1`), summed over each
-        request's first row and over its other rows (verified tokens, a prefill chunk's later rows)."""
-        rows = self.num_rows
-        every = int(self.positions[:rows].sum()) + rows
-        first = int(self.positions[self.query_start[:-1]].sum()) + self.size if rows else 0
-        return first, every - first
+    def context_tokens(self, max_query_rows: int) -> tuple[int, int]:
+        """`(K, X)`: the context tokens the decoding requests' rows read (a row at position `p` reads `p + 1`), summed
+        over each request's first row and over its verified rows. A request of more than `max_query_rows` rows
+        (`1 + num_speculative_tokens`) is prefilling and left out: a prompt chunk's attention grows with its rows,
+        which `t(R)` prices, and its huge `X` would drown the decoding rows' signal."""
+        first = other = 0
+        positions = self.positions.tolist()
+        for start, end in zip(self.query_start[:-1], self.query_start[1:]):
+            if end - start <= max_query_rows:
+                first += positions[start] + 1
+                other += sum(positions[start + 1 : end]) + (end - start - 1)
+        return first, other
 
 
 def read_step_batch(

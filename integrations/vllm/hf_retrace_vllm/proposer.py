@@ -333,11 +333,13 @@ class ReTraceDFlashProposer(DFlashProposer):
             predicted = model.drafter_seconds(self.last_step.drafter_slots)
             self.prediction.add_drafter(predicted, self.last_step.drafter_seconds)
         self.stats.prediction = self.prediction.as_dict()
+        self.stats.step_costs = {"source": self.costs.source, "context": list(model.context)}
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
         neither the proposer's nor the engine's time."""
-        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, step.context_tokens)
+        context = step.context_tokens(1 + self.max_verified)  # the decoding requests' rows: prefill chunks left out
+        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context)
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())

@@ -32,6 +32,9 @@ class ProposerStats:
         online_datastore_bytes (`int`, *optional*): the online datastore's peak size in bytes; `None` without one.
         prediction (`dict`, *optional*): the goodput policy's predictions beside the measured steps
             (`steps.PredictionLedger.as_dict()`); `None` under the fixed policy.
+        step_costs (`dict`, *optional*): where the goodput policy's step-cost model came from (`source`) and its
+            learned context terms (`context`: `[a, c]`, seconds per context token of a request's first row and of
+            its verified rows); `None` under the fixed policy.
     """
 
     cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
@@ -43,6 +46,7 @@ class ProposerStats:
     timings: dict = field(default_factory=dict)
     online_datastore_bytes: int | None = None
     prediction: dict | None = None
+    step_costs: dict | None = None
 
     def record(self, source: str, committed: int) -> None:
         self.cycles[source] = self.cycles.get(source, 0) + 1

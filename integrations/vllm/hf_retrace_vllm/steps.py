@@ -31,8 +31,9 @@ class StepRecord:
             since the last one when it is due (context_kv.py).
         drafter_seconds (`float`): the drafter's block forward and draft logits (0 when skipped).
         propose_seconds (`float`): the whole `propose()`.
-        context_tokens (`tuple[int, int]`): `(K, X)`, the context tokens the target's rows read (a row at position
-            `p` reads `p + 1`), over each request's first row and over its other rows: the cost model's context terms.
+        context_tokens (`tuple[int, int]`): `(K, X)`, the context tokens the decoding requests' rows read (a row at
+            position `p` reads `p + 1`), over each request's first row and over its verified rows: the cost model's
+            context terms (`StepBatch.context_tokens`).
     """
 
     rows: int

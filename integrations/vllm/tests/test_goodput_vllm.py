@@ -106,11 +106,13 @@ def test_prefill_left_counts_the_prompt_rows_after_this_chunk():
 
 def test_step_context_tokens_split_first_rows_from_the_others():
     """a verifies 2 rows at positions 9, 10 (it reads 10, then 11 tokens); b runs a 3-row prefill chunk from
-    position 20 (21, 22, 23); c decodes 1 row at position 4 (5). First rows: 10 + 21 + 5; the others: 11 + 22 + 23."""
+    position 20; c decodes 1 row at position 4 (5). With at most 2 rows a decoding request, b's chunk is left out:
+    first rows 10 + 5, the others 11; with 3, b counts (21; 22 + 23)."""
     positions = torch.tensor([9, 10, 20, 21, 22, 4])
     step = StepBatch(["a", "b", "c"], [0, 2, 5, 6], [0, 0, 0], positions, None, [1, 2, 3])
-    assert step.context_tokens == (36, 56)
-    assert StepBatch([], [0], [], torch.zeros(0, dtype=torch.long), None, []).context_tokens == (0, 0)
+    assert step.context_tokens(2) == (15, 11)
+    assert step.context_tokens(3) == (36, 56)
+    assert StepBatch([], [0], [], torch.zeros(0, dtype=torch.long), None, []).context_tokens(4) == (0, 0)
 
 
 def test_observed_steps_pass_their_context_to_the_cost_model(tmp_path):
@@ -196,12 +198,13 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
     assert proposer.costs.source == "profile" and proposer.costs.path.exists()
     assert proposer.costs.model.target_seconds(8) > proposer.costs.model.target_seconds(1) > 0
     records = [r for r in proposer.clock.records if r.rows]  # each step knows the contexts its rows read
-    assert records and all(r.context_tokens[0] >= r.requests for r in records)
-    assert any(r.context_tokens[1] > 0 for r in records)  # prompt rows after the first, verified drafts
+    assert records and all(r.context_tokens[0] >= r.requests for r in records if r.rows == r.requests)
+    assert any(r.context_tokens[1] > 0 for r in records)  # verified drafts
     assert stats["online_datastore_bytes"] > 0, stats
     online = proposer.online_datastore  # every finished request freed, its response in the global index
     assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
     assert len(proposer.committed) == 1 and not proposer.speculation.estimator.num_requests > 1
+    assert stats["step_costs"]["source"] == "profile" and len(stats["step_costs"]["context"]) == 2
     prediction = stats["prediction"]  # the plans' predictions beside the steps that verified them
     assert prediction["steps"] > 10 and prediction["target_measured"] > 0, prediction
     assert 0 < prediction["tokens_predicted"] and prediction["tokens_committed"] >= prediction["steps"], prediction
