@@ -178,6 +178,32 @@ def test_context_costs_are_learned_from_how_step_times_vary(a, c):
     assert model.marginal_row_cost(32, 4000) - model.marginal_row_cost(32, 100) == pytest.approx(3900 * other)
 
 
+def _one_request_at_a_time(model, a, c, requests=60, noise=0.002, seed=0):
+    """Batch 1: requests of 100-5000 prompt tokens, 64 new tokens each, verifying 0-8 tokens a step: `K` grows
+    slowly within a request and jumps between requests (a learner normalised by the steps' spread alone blew up
+    here in an engine)."""
+    rng = np.random.default_rng(seed)
+    truth = CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25])
+    for _ in range(requests):
+        length = int(rng.integers(100, 5000))
+        end = length + 64
+        while length < end:
+            rows = int(rng.integers(1, 10))
+            first, other = length, (rows - 1) * length + rows * (rows - 1) // 2
+            model.observe(rows, 0, truth(rows) + a * first + c * other + rng.normal(0.0, noise), None, first, other)
+            length += int(rng.integers(1, rows + 1))
+    return truth
+
+
+@pytest.mark.parametrize("a, c", [(1e-6, 1e-6), (0.0, 0.0)], ids=["every-row-reads", "no-context-cost"])
+def test_context_costs_at_batch_1_stay_bounded(a, c):
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]))
+    truth = _one_request_at_a_time(model, a, c)
+    first, other = model.context
+    assert first == pytest.approx(a, abs=5e-7) and other == pytest.approx(c, abs=3e-7)
+    assert model.target(4) == pytest.approx(truth(4), rel=0.05)
+
+
 def test_context_costs_are_saved_and_an_older_file_reads_as_none(tmp_path):
     key = host_key("transformers", "t", "float32", 2, False)
     model = StepCostModel.fit([(1, 0.02), (8, 0.04)], [(16, 0.005)], context=(2e-7, 1e-7))

@@ -263,7 +263,7 @@ class StepCostModel:
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
-        context_rate (`float`, *optional*, defaults to 0.05): step size of the online estimate of `(a, c)`; 0 freezes
+        context_rate (`float`, *optional*, defaults to 0.2): step size of the online estimate of `(a, c)`; 0 freezes
             it.
 
     Example:
@@ -279,7 +279,7 @@ class StepCostModel:
     context: tuple = (0.0, 0.0)
     alpha: float = 0.05
     max_change: float = 0.5
-    context_rate: float = 0.05
+    context_rate: float = 0.2
     num_observed: int = field(default=0, compare=False)
 
     def __post_init__(self):
@@ -287,10 +287,10 @@ class StepCostModel:
         if len(self.context) != 2:
             raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
                              f"{self.context}")  # fmt: skip
-        # decayed mean and covariance of the observed steps' (K, X): (a, c) learn from their deviations, the knots
-        # from their level
+        # decayed mean of the observed steps' (K, X) and of their squared deviation: (a, c) learn from the
+        # deviations, the knots from the level
         self._context_mean = np.zeros(2)
-        self._context_cov = np.zeros((2, 2))
+        self._context_spread = 0.0
         self._context_raw = np.array(self.context)  # the estimate before clipping at 0 (clipping it would bias it up)
 
     @property
@@ -332,7 +332,7 @@ class StepCostModel:
         proportion to the predictions.
 
         The target's part less `a * K + c * X` refreshes `t(R)`. Its residual teaches `(a, c)` by how far this step's
-        `(K, X)` is from the recent steps' mean (a least-mean-squares step normalised by their covariance): the knots
+        `(K, X)` is from the recent steps' mean (a normalised least-mean-squares step): the knots
         follow the level, and `(a, c)` what is left when the contexts vary, steps of the same rows that read more
         context taking longer."""
         if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
@@ -350,21 +350,24 @@ class StepCostModel:
         self.num_observed += 1
 
     def _learn_context(self, residual: float, tokens: np.ndarray, decay: float = 0.98) -> None:
-        """One least-mean-squares step of `(a, c)` on `residual` (seconds beyond the prediction) along the deviation
-        of `tokens = (K, X)` from their decayed mean, normalised by their decayed covariance (a Newton step, so `K`
-        and `X`, which move together, share the residual by what tells them apart). The residual is clipped to half a
-        one-row step, so a stall moves `(a, c)` by a bounded amount. The model uses the estimates clipped at 0; the
-        estimates themselves are not clipped, since a random walk held at 0 drifts up."""
+        """One normalised least-mean-squares step of `(a, c)` on `residual` (seconds beyond the prediction) along the
+        deviation `e` of `tokens = (K, X)` from their decayed mean: `rate * residual * e / (|e|^2 + s^2)`, where
+        `s^2` is the decayed mean of `|e|^2`. It moves this step's prediction by at most `rate * residual`, and
+        a typical step's by about as much, whatever the contexts' scale: a request starting far from the mean
+        (a large `e`) or a batch whose contexts barely move (a small `s`) cannot blow it up. The residual is
+        clipped to half a one-row step, so a stall moves `(a, c)` by a bounded amount. The model uses the
+        estimates clipped at 0; the estimates themselves are not clipped, since a random walk held at 0 drifts up."""
         if self.context_rate <= 0 or not tokens.any():
             return
         deviation = tokens - self._context_mean
         self._context_mean += (1.0 - decay) * deviation
-        self._context_cov = decay * self._context_cov + (1.0 - decay) * np.outer(deviation, deviation)
-        ridge = 1e-3 * np.trace(self._context_cov) + 1e-12  # keeps it invertible while X has not varied yet
-        direction = np.linalg.solve(self._context_cov + ridge * np.eye(2), deviation)
+        squared = float(deviation @ deviation)
+        self._context_spread = decay * self._context_spread + (1.0 - decay) * squared
         bound = self.max_change * float(self.target(1))
         residual = min(max(residual, -bound), bound)
-        self._context_raw = self._context_raw + self.context_rate * residual * direction
+        self._context_raw = self._context_raw + self.context_rate * residual * deviation / (
+            squared + self._context_spread + 1e-12
+        )
         self.context = tuple(max(0.0, float(v)) for v in self._context_raw)
 
     def save(self, path, key: HostKey) -> None:
