@@ -169,7 +169,7 @@ def _context_steps(model, a, c, steps=3000, noise=0.002, seed=0):
 def test_context_costs_are_learned_from_how_step_times_vary(a, c):
     """Whether a kernel reads a request's K/V once per row or once per request, the two terms are told apart; where
     context costs nothing they stay near 0 and the knots keep the steps' level."""
-    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]))
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]), context_rate=0.2)
     truth = _context_steps(model, a, c)
     first, other = model.context
     assert first == pytest.approx(a, abs=3e-7) and other == pytest.approx(c, abs=4e-7)
@@ -197,11 +197,17 @@ def _one_request_at_a_time(model, a, c, requests=60, noise=0.002, seed=0):
 
 @pytest.mark.parametrize("a, c", [(1e-6, 1e-6), (0.0, 0.0)], ids=["every-row-reads", "no-context-cost"])
 def test_context_costs_at_batch_1_stay_bounded(a, c):
-    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]))
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]), context_rate=0.2)
     truth = _one_request_at_a_time(model, a, c)
     first, other = model.context
     assert first == pytest.approx(a, abs=5e-7) and other == pytest.approx(c, abs=3e-7)
     assert model.target(4) == pytest.approx(truth(4), rel=0.05)
+
+
+def test_context_costs_are_not_learned_unless_asked():
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]))
+    _context_steps(model, 1e-6, 1e-6, steps=200)
+    assert model.context == (0.0, 0.0) and model.context_rate == 0.0
 
 
 def test_context_costs_are_saved_and_an_older_file_reads_as_none(tmp_path):

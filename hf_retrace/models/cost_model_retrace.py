@@ -263,8 +263,9 @@ class StepCostModel:
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
-        context_rate (`float`, *optional*, defaults to 0.2): step size of the online estimate of `(a, c)`; 0 freezes
-            it.
+        context_rate (`float`, *optional*, defaults to 0): step size of the online estimate of `(a, c)` (0.2 on
+            the synthetic steps of the tests); 0 freezes it. Off by default: in vLLM the estimate drifted (`a`
+            absorbed the knots' level, docs/cost-aware-speculation.md), so both terms stay at the file's values.
 
     Example:
     ```python
@@ -279,7 +280,7 @@ class StepCostModel:
     context: tuple = (0.0, 0.0)
     alpha: float = 0.05
     max_change: float = 0.5
-    context_rate: float = 0.2
+    context_rate: float = 0.0
     num_observed: int = field(default=0, compare=False)
 
     def __post_init__(self):
