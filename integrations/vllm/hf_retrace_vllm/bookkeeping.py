@@ -85,6 +85,17 @@ class StepBatch:
                 other += sum(positions[start + 1 : end]) + (end - start - 1)
         return first, other
 
+    def row_split(self, max_query_rows: int) -> tuple[int, int, int]:
+        """`(n, V, P)`: the decoding requests (at most `max_query_rows` rows each), their rows beyond the first (their
+        verified tokens), and the rows of the requests still prefilling (their prompt chunks)."""
+        n = other = prefill = 0
+        for start, end in zip(self.query_start[:-1], self.query_start[1:]):
+            if end - start <= max_query_rows:
+                n, other = n + 1, other + end - start - 1
+            else:
+                prefill += end - start
+        return n, other, prefill
+
 
 def read_step_batch(
     input_batch, cad, target_token_ids, target_positions, next_token_ids, num_rejected_tokens_gpu

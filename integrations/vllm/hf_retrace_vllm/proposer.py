@@ -36,7 +36,7 @@ from .bookkeeping import (
     retained_suffix, verifies_previous,
 )  # fmt: skip
 from .context_kv import DeferredContextKV
-from .costs import EngineCosts, key_from_vllm_config
+from .costs import EngineCosts, key_from_vllm_config, step_costs
 from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs
 from .logs import get_logger
 from .policy import DRAFTER, STATS_NAMES, DraftPolicy, check_token_budget, policy_sources
@@ -44,7 +44,7 @@ from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
 from .shared.speculation_retrace import SpeculationPlan, SpeculationPolicy
 from .stats import ProposerStats
-from .steps import PlannedStep, PredictionLedger, StepClock, StepRecord
+from .steps import PlannedStep, PredictionLedger, StepClock, StepLog, StepRecord
 
 
 logger = get_logger(__name__)
@@ -91,6 +91,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.committed: dict[str, int] = {}  # tokens the policy has seen committed, by running request id
         self.stats = ProposerStats()
         self.clock = StepClock()
+        self.step_log = StepLog()  # off unless HF_RETRACE_VLLM_STEP_LOG names a file
         self.last_step: StepRecord | None = None  # the step-cost model's input: R, S and the parts' seconds
         self.startup_profile: StartupProfile | None = None  # set after vLLM's warm-up (profile.py)
         self.costs = EngineCosts(key_from_vllm_config(vllm_config))  # t(R), d(S): cache file, profile or prior
@@ -341,6 +342,11 @@ class ReTraceDFlashProposer(DFlashProposer):
         context = step.context_tokens(1 + self.max_verified)  # the decoding requests' rows: prefill chunks left out
         self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context)
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
+        if self.step_log.enabled:
+            model = self.costs.model
+            predicted = float(model.target_seconds(self.last_step.rows)) + float(model.context_seconds(*context))
+            split = step.row_split(1 + self.max_verified)
+            self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted)
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:

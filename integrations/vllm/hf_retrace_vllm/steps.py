@@ -5,12 +5,15 @@ copies the proposer makes anyway. The engine's own part (the target's forward of
 scheduling) is the wall time between two `propose()` calls.
 """
 
+import json
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
 
 PARTS = ("policy", "context_kv", "drafter")
+STEP_LOG_ENV = "HF_RETRACE_VLLM_STEP_LOG"  # a path: every engine step appended there as one JSON line (StepLog)
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,31 @@ class PlannedStep:
     rows: int
     target_seconds: float
     expected_tokens: float
+
+
+class StepLog:
+    """Every engine step as one JSON line, appended to the file `HF_RETRACE_VLLM_STEP_LOG` names (nothing without
+    it): what the step-cost model is fitted to, to check it offline against the steps it priced.
+
+    A line: `rows` (`R`), `requests`, `decoding` (requests of at most `1 + K` rows), `verified` (their rows beyond the
+    first), `prefill_rows` (the other requests' rows), `context` (`[K, X]`), `slots` (`S`), `target_s`, `drafter_s`
+    (the parts the model learns from, `costs.step_costs`) and `predicted_s` (the model's `t(R) + a K + c X` before
+    it learned from the step).
+    """
+
+    def __init__(self, path: str | None = None):
+        path = path if path is not None else os.environ.get(STEP_LOG_ENV)
+        self._file = open(path, "a", buffering=1, encoding="utf-8") if path else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: StepRecord, split: tuple[int, int, int], costs, predicted: float) -> None:
+        """Appends `record` (with `split = (decoding, verified, prefill_rows)` and `costs = (target_s, drafter_s)`)."""
+        if self._file is None or costs is None:
+            return
+        line = {"rows": record.rows, "requests": record.requests, "decoding": split[0], "verified": split[1],
+                "prefill_rows": split[2], "context": list(record.context_tokens), "slots": record.drafter_slots,
+                "target_s": round(costs[0], 6), "drafter_s": round(costs[1], 6), "predicted_s": round(predicted, 6)}
+        self._file.write(json.dumps(line) + "\n")

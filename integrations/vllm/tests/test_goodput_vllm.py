@@ -21,7 +21,7 @@ from hf_retrace_vllm import STATS_ENV, proposer as proposer_module
 from hf_retrace_vllm.bookkeeping import StepBatch, prefill_left
 from hf_retrace_vllm.costs import WARM_STEPS, EngineCosts, bound_threads, engine_key
 from hf_retrace_vllm.shared.cost_model_retrace import CostCurve, StepCostModel
-from hf_retrace_vllm.steps import PlannedStep, PredictionLedger, StepRecord
+from hf_retrace_vllm.steps import STEP_LOG_ENV, PlannedStep, PredictionLedger, StepRecord
 
 
 MAX_TOKENS = 32
@@ -113,6 +113,8 @@ def test_step_context_tokens_split_first_rows_from_the_others():
     assert step.context_tokens(2) == (15, 11)
     assert step.context_tokens(3) == (36, 56)
     assert StepBatch([], [0], [], torch.zeros(0, dtype=torch.long), None, []).context_tokens(4) == (0, 0)
+    assert step.row_split(2) == (2, 1, 3)  # a and c decode (a verifies 1 row beyond its first), b's 3 prefill rows
+    assert step.row_split(3) == (3, 3, 0)
 
 
 def test_observed_steps_pass_their_context_to_the_cost_model(tmp_path):
@@ -157,6 +159,7 @@ def engine_env(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps.jsonl"))
     return tmp_path
 
 
@@ -205,6 +208,12 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
     assert online is not None and online.num_requests == 1 and online.num_responses == 1 + len(PROMPTS)
     assert len(proposer.committed) == 1 and not proposer.speculation.estimator.num_requests > 1
     assert stats["step_costs"]["source"] == "profile" and len(stats["step_costs"]["context"]) == 2
+    steps = [json.loads(line) for line in (engine_env / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == len(records) - 1  # every step but the first, whose engine part is unknown
+    for line in steps:  # the log splits every step's rows and prices it with the model it had
+        assert line["decoding"] + line["verified"] + line["prefill_rows"] == line["rows"], line
+        assert line["target_s"] > 0 and line["predicted_s"] > 0 and len(line["context"]) == 2, line
+    assert any(line["verified"] > 0 for line in steps) and any(line["prefill_rows"] > 0 for line in steps)
     prediction = stats["prediction"]  # the plans' predictions beside the steps that verified them
     assert prediction["steps"] > 10 and prediction["target_measured"] > 0, prediction
     assert 0 < prediction["tokens_predicted"] and prediction["tokens_committed"] >= prediction["steps"], prediction
