@@ -198,6 +198,8 @@ def cpu_features() -> str:
     return ",".join(name for name in _KERNEL_FEATURES if name in flags)
 
 
+OUTLIER_ERRORS = 4.0  # a step whose error is more than this many recent mean errors counts as that many
+CONTEXT_UNIT = 1000.0  # tokens: the context terms' least-squares fit counts `K` and `X` in thousands
 RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off what this host measures by more than this is not trusted
 
 
@@ -263,10 +265,12 @@ class StepCostModel:
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
-        context_rate (`float`, *optional*, defaults to 0): step size of the online estimate of `(a, c)` (0.2 on
-            the synthetic steps of the tests); 0 freezes it. Off by default: in vLLM the estimate drifted (`a`
-            absorbed the knots' level, docs/cost-aware-speculation.md), so both terms stay at the file's values.
-
+        context_memory (`float`, *optional*, defaults to 0): steps the online estimate of `(a, c)` remembers (a
+            recursive least-squares fit that forgets older steps at `1 - 1 / context_memory` a step, see
+            [`StepCostModel.observe`]; 300 in the tests); 0 freezes both terms at their given values. Off by
+            default: replayed on a logged engine it predicts steps three times as closely as the knots alone, but
+            where the knots start far from the host's level the fit and the knots trade the level between them
+            (docs/cost-aware-speculation.md).
     Example:
     ```python
     >>> model = StepCostModel.fit([(1, 0.0192), (8, 0.0388)], [(16, 0.004), (128, 0.030)])
@@ -280,7 +284,7 @@ class StepCostModel:
     context: tuple = (0.0, 0.0)
     alpha: float = 0.05
     max_change: float = 0.5
-    context_rate: float = 0.0
+    context_memory: float = 0.0
     num_observed: int = field(default=0, compare=False)
 
     def __post_init__(self):
@@ -288,11 +292,15 @@ class StepCostModel:
         if len(self.context) != 2:
             raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
                              f"{self.context}")  # fmt: skip
-        # decayed mean of the observed steps' (K, X) and of their squared deviation: (a, c) learn from the
-        # deviations, the knots from the level
-        self._context_mean = np.zeros(2)
-        self._context_spread = 0.0
-        self._context_raw = np.array(self.context)  # the estimate before clipping at 0 (clipping it would bias it up)
+        if not np.isfinite(self.context_memory) or self.context_memory < 0:
+            raise ValueError(f"context_memory must be a number of steps >= 0 (0 freezes the context terms), got "
+                             f"{self.context_memory}")  # fmt: skip
+        # the least-squares state of (s, a, c) in the units of `_features`: the level `s` of the knots' prediction
+        # is fitted beside the terms (and not used), so `(a, c)` learn only what the knots' level does not explain
+        self._scale = float(self.target(1)) or 1.0  # seconds that `_features` divides times by
+        self._theta = np.array([1.0, *(np.array(self.context) * CONTEXT_UNIT / self._scale)])
+        self._covariance = np.eye(3)
+        self._error_scale = 1.0  # the fit's recent mean absolute error, in t(1)s: large at first, then learned
 
     @property
     def context_per_row(self) -> float:
@@ -332,10 +340,9 @@ class StepCostModel:
         With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that drafted is split in
         proportion to the predictions.
 
-        The target's part less `a * K + c * X` refreshes `t(R)`. Its residual teaches `(a, c)` by how far this step's
-        `(K, X)` is from the recent steps' mean (a normalised least-mean-squares step): the knots
-        follow the level, and `(a, c)` what is left when the contexts vary, steps of the same rows that read more
-        context taking longer."""
+        The target's part teaches `(a, c)` first (a least-squares fit beside the knots' level, `_learn_context`), then
+        the target's part less `a * K + c * X` refreshes `t(R)`: the knots follow the level, and `(a, c)` what is
+        left when the contexts vary, steps of the same rows that read more context taking longer."""
         if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
             return
         context_part = self.context_seconds(first_rows_context, other_rows_context)
@@ -345,31 +352,43 @@ class StepCostModel:
         if slots > 0:
             self.drafter.observe(slots, drafter_seconds, self.alpha, self.max_change)
         target_seconds = seconds - (drafter_seconds or 0.0)
-        residual = target_seconds - self.target(rows) - context_part
-        self._learn_context(residual, np.array([first_rows_context, other_rows_context], dtype=np.float64))
-        self.target.observe(rows, target_seconds - context_part, self.alpha, self.max_change)
+        self._learn_context(target_seconds, rows, np.array([first_rows_context, other_rows_context], np.float64))
+        self.target.observe(rows, target_seconds - self.context_seconds(first_rows_context, other_rows_context),
+                            self.alpha, self.max_change)  # fmt: skip
         self.num_observed += 1
 
-    def _learn_context(self, residual: float, tokens: np.ndarray, decay: float = 0.98) -> None:
-        """One normalised least-mean-squares step of `(a, c)` on `residual` (seconds beyond the prediction) along the
-        deviation `e` of `tokens = (K, X)` from their decayed mean: `rate * residual * e / (|e|^2 + s^2)`, where
-        `s^2` is the decayed mean of `|e|^2`. It moves this step's prediction by at most `rate * residual`, and
-        a typical step's by about as much, whatever the contexts' scale: a request starting far from the mean
-        (a large `e`) or a batch whose contexts barely move (a small `s`) cannot blow it up. The residual is
-        clipped to half a one-row step, so a stall moves `(a, c)` by a bounded amount. The model uses the
-        estimates clipped at 0; the estimates themselves are not clipped, since a random walk held at 0 drifts up."""
-        if self.context_rate <= 0 or not tokens.any():
+    def _features(self, rows: int, tokens: np.ndarray) -> np.ndarray:
+        """`[t(R), K, X]` in the units the least-squares state uses: times in `t(1)`s, tokens in `CONTEXT_UNIT`s."""
+        return np.array([float(self.target(rows)) / self._scale, *(tokens / CONTEXT_UNIT)])
+
+    def _learn_context(self, target_seconds: float, rows: int, tokens: np.ndarray) -> None:
+        """One recursive least-squares step of `target_seconds ~ s * t(R) + a * K + c * X` that forgets older steps
+        at `1 - 1 / context_memory`; the model then uses `(a, c)` clipped at 0.
+
+        `s`, the level of the knots' prediction, is fitted beside the two terms and dropped: the knots learn the
+        level (they refresh from each step), so `(a, c)` must only explain how steps of the same `t(R)` differ when
+        their contexts do. Without it, a knot that lags a slower host pushes its lag into `a`. The error is bounded,
+        so one stalled step moves the fit by a bounded amount; the covariance is kept within its start (a direction the steps stop exciting cannot grow a huge gain).
+
+        Outliers are bounded by the fit's own recent error (`OUTLIER_ERRORS` mean absolute errors), not by a fixed
+        fraction of a step: a bound that cut the large errors of the first steps (the terms start at 0) would
+        leave the fit biased for good, since its covariance shrinks with every step whatever the error."""
+        if self.context_memory <= 0 or not tokens.any():
             return
-        deviation = tokens - self._context_mean
-        self._context_mean += (1.0 - decay) * deviation
-        squared = float(deviation @ deviation)
-        self._context_spread = decay * self._context_spread + (1.0 - decay) * squared
-        bound = self.max_change * float(self.target(1))
-        residual = min(max(residual, -bound), bound)
-        self._context_raw = self._context_raw + self.context_rate * residual * deviation / (
-            squared + self._context_spread + 1e-12
-        )
-        self.context = tuple(max(0.0, float(v)) for v in self._context_raw)
+        forget = 1.0 - 1.0 / max(self.context_memory, 2.0)
+        features = self._features(rows, tokens)
+        error = target_seconds / self._scale - float(features @ self._theta)
+        bound = OUTLIER_ERRORS * self._error_scale  # an outlier (a stall) counts as this far off, no further
+        self._error_scale += (1.0 - forget) * (min(abs(error), bound) - self._error_scale)
+        error = min(max(error, -bound), bound)
+        spread = self._covariance @ features
+        gain = spread / (forget + float(features @ spread))
+        self._theta = self._theta + gain * error
+        self._covariance = (self._covariance - np.outer(gain, spread)) / forget
+        trace = float(np.trace(self._covariance))
+        if trace > 3.0:
+            self._covariance *= 3.0 / trace
+        self.context = tuple(max(0.0, float(v)) * self._scale / CONTEXT_UNIT for v in self._theta[1:])
 
     def save(self, path, key: HostKey) -> None:
         """Writes the curves and `key` as JSON (atomically: a crash never leaves half a file)."""
