@@ -152,7 +152,7 @@ class EngineCosts:
         if self.source in ("prior", "cache"):
             if rows > DECODE_ROWS * record.requests:  # a prefill (and the engine's first, cold steps): not its scale
                 return False
-            if self._warm_up(rows, slots, target_s, drafter_s):
+            if self._warm_up(rows, slots, target_s, drafter_s, record.context_tokens):
                 return True
         if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
             self.skipped += 1
@@ -166,14 +166,15 @@ class EngineCosts:
             self.save()
         return True
 
-    def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float) -> bool:
+    def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float, context=(0, 0)) -> bool:
         """Collects the first decode steps, then scales the model's target curve by their median ratio to it, and
         its drafter curve by the drafting steps' ratio (the target's when none drafted yet): always for the prior;
         for a cache file only when its target curve is off by more than `RESCALE_TOLERANCE`, and then both curves by
         the target's ratio (a faster or slower machine, the file's shapes kept). Returns whether the step was taken
         here (a cache file the steps confirmed learns from them as usual)."""
         d_pred = self.model.drafter_seconds(slots) if slots else 0.0
-        self._warm.append((target_s, self.model.target_seconds(rows), drafter_s, d_pred))
+        predicted = self.model.target_seconds(rows) + self.model.context_seconds(*context)  # a file's terms too
+        self._warm.append((target_s, predicted, drafter_s, d_pred))
         if len(self._warm) < WARM_STEPS:
             return True
         target_scale = statistics.median(t / p for t, p, _, _ in self._warm)

@@ -1,0 +1,146 @@
+"""The step-cost model's context terms, fitted offline from an engine's step log (docs/cost-aware-speculation.md).
+
+    .venv-vllm/bin/python -m hf_retrace_vllm.step_fit --log steps.jsonl [--cache COST_FILE [--write]]
+
+Serve with `HF_RETRACE_VLLM_STEP_LOG=steps.jsonl` set (a few hundred steps at the load you expect), then fit. The
+decode steps' target time is fitted by least squares as
+
+    b0 + b1 * requests + b2 * verified rows + a * K + c * X
+
+(`K`, `X`: the context tokens of the requests' first rows and of their verified rows). Printed: `a`, `c` and how
+much of the steps' spread the fit explains, beside the rows alone. With `--cache` (the engine's step-cost file,
+`~/.cache/hf_retrace/cost/vllm-*.json`) and `--write`, the file gets `context = [a, c]`, and each knot of `t(R)`
+gives back what the logged steps near it read (`a * K + c * X` at their mean, less what the file's terms already
+took): the knots learned those steps' times, contexts included, and would otherwise count them twice. The next engine start with that file plans with the terms.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel
+
+
+MIN_STEPS = 50  # decode steps a fit needs
+MIN_KNOT_WEIGHT = 3.0  # logged steps (interpolation weights summed) a knot needs to give back their contexts
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """`a`, `c` (seconds per context token), the fit's R^2, the R^2 of rows alone, and the decode steps used."""
+
+    first: float
+    other: float
+    r2: float
+    r2_rows_only: float
+    steps: int
+
+
+def read_step_log(path) -> list[dict]:
+    """The steps of a `HF_RETRACE_VLLM_STEP_LOG` file, in order."""
+    steps = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)
+            step["rows"], step["context"], step["target_s"]  # noqa: B018 - the fields the fit reads
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number} is not a step-log line ({error}); expected the JSON lines "
+                             "HF_RETRACE_VLLM_STEP_LOG writes") from error  # fmt: skip
+        steps.append(step)
+    return steps
+
+
+def _least_squares(columns: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, float]:
+    coef = np.linalg.lstsq(columns, times, rcond=None)[0]
+    spread = float(((times - times.mean()) ** 2).sum()) or 1e-30
+    return coef, 1.0 - float(((times - columns @ coef) ** 2).sum()) / spread
+
+
+def fit_context_terms(steps: list[dict]) -> ContextFit:
+    """Fits `a` and `c` on the decode steps of `steps` (those with no prefill rows); a term the data make negative
+    is dropped and the other refitted (a context never makes a step faster).
+
+    Raises:
+        ValueError: fewer than `MIN_STEPS` decode steps.
+    """
+    decode = [s for s in steps if not s.get("prefill_rows") and s.get("decoding", 0) > 0]
+    if len(decode) < MIN_STEPS:
+        raise ValueError(f"the log has {len(decode)} decode steps, a fit needs {MIN_STEPS}: log a longer run")
+    times = np.array([s["target_s"] for s in decode], dtype=np.float64)
+    rows = np.array([[1.0, s["decoding"], s["verified"]] for s in decode], dtype=np.float64)
+    context = np.array([s["context"] for s in decode], dtype=np.float64)
+    _, r2_rows = _least_squares(rows, times)
+    keep = [0, 1]
+    while True:
+        coef, r2 = _least_squares(np.hstack([rows, context[:, keep]]), times)
+        terms = dict(zip(keep, coef[3:]))
+        negative = [k for k, v in terms.items() if v < 0]
+        if not negative:
+            break
+        keep = [k for k in keep if k != min(negative, key=terms.get)]
+    return ContextFit(float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows, len(decode))
+
+
+def knots_without_context(curve: CostCurve, steps: list[dict], first: float, other: float) -> CostCurve:
+    """`curve` with each knot less `a * K + c * X` at the mean contexts of the logged steps it learned from (their
+    interpolation weights, as [`CostCurve.observe`] spreads a step); knots that saw too few steps are kept."""
+    sizes = curve.sizes
+    weight = np.zeros(sizes.size)
+    tokens = np.zeros((sizes.size, 2))
+    for step in steps:
+        size = float(step["rows"])
+        right = int(np.clip(np.searchsorted(sizes, size), 0, sizes.size - 1))
+        left = max(right - 1, 0)
+        share = 1.0
+        if sizes[right] != size and right > left:
+            share = float(np.clip((size - sizes[left]) / (sizes[right] - sizes[left]), 0.0, 1.0))
+        for knot, part in ((right, share), (left, 1.0 - share)):
+            weight[knot] += part
+            tokens[knot] += part * np.asarray(step["context"], dtype=np.float64)
+    seconds = curve.seconds.copy()
+    seen = weight >= MIN_KNOT_WEIGHT
+    mean = tokens[seen] / weight[seen, None]
+    seconds[seen] = np.maximum(seconds[seen] - first * mean[:, 0] - other * mean[:, 1], 0.0)
+    return CostCurve(sizes, seconds)
+
+
+def write_terms(cache: Path, steps: list[dict], fit: ContextFit) -> StepCostModel:
+    """Writes `fit`'s terms into the step-cost file `cache`, its knots less the logged contexts at the change of the
+    terms (so writing the same fit twice changes nothing); returns the model."""
+    payload = json.loads(Path(cache).read_text())
+    key = HostKey(**payload["key"])
+    model = StepCostModel.load(cache, key)
+    if model is None:
+        raise ValueError(f"{cache} is not a step-cost file this code reads")
+    # the knots hold the logged steps' contexts beyond the terms the file had when they learned: give back the change
+    target = knots_without_context(model.target, steps, fit.first - model.context[0], fit.other - model.context[1])
+    fitted = StepCostModel(target, model.drafter, (fit.first, fit.other))
+    fitted.save(cache, key)
+    return fitted
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log", required=True, help="a HF_RETRACE_VLLM_STEP_LOG file")
+    parser.add_argument("--cache", help="the engine's step-cost file, to write the terms into (with --write)")
+    parser.add_argument("--write", action="store_true", help="write the fitted terms into --cache")
+    args = parser.parse_args(argv)
+    steps = read_step_log(args.log)
+    fit = fit_context_terms(steps)
+    print(f"{fit.steps} decode steps: a = {fit.first * 1e6:.2f} us, c = {fit.other * 1e6:.2f} us a context token; "
+          f"R^2 {fit.r2:.3f} (rows alone {fit.r2_rows_only:.3f})")  # fmt: skip
+    if args.write and not args.cache:
+        parser.error("--write needs --cache")
+    if args.write:
+        model = write_terms(Path(args.cache), steps, fit)
+        knots = ", ".join(f"{int(s)}: {t * 1e3:.1f}" for s, t in zip(model.target.sizes, model.target.seconds))
+        print(f"wrote {args.cache}: context {list(model.context)}, t(R) ms {knots}")
+
+
+if __name__ == "__main__":
+    main()
