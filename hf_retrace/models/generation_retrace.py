@@ -322,7 +322,7 @@ class ReTraceCandidateGenerator(DFlashTokenCandidateGenerator):
         rows, before = self._verified, input_ids.shape[1] - n - 1
         context = (before, (rows - 1) * before + rows * (rows - 1) // 2)
         slots = self.block_size if self._drafted else 0
-        self.policy.step_time(rows, slots, target_seconds, drafter_seconds, context)
+        self.policy.step_time(rows, slots, target_seconds, drafter_seconds, context, (1, rows - 1))
         if self.policy.last_step is not None:
             self.stats.predicted_seconds.append(self.policy.last_step.expected_seconds)
             self.stats.measured_seconds.append(target_seconds + (drafter_seconds or 0.0))

@@ -142,7 +142,7 @@ class EngineCosts:
     def observe(self, record, step_time=None) -> bool:
         """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle).
 
-        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens)` refreshes the curves (the policy's, which owns this
+        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens, decode_rows)` refreshes the curves (the policy's, which owns this
         `model` too); without it, `model.observe` does."""
         costs = step_costs(record)
         if costs is None:
@@ -158,9 +158,10 @@ class EngineCosts:
             self.skipped += 1
             return False
         if step_time is not None:
-            step_time(rows, slots, target_s, drafter_s, record.context_tokens)
+            step_time(rows, slots, target_s, drafter_s, record.context_tokens, record.decode_rows)
         else:
-            self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None, *record.context_tokens)
+            self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None, *record.context_tokens,
+                               record.decode_rows)  # fmt: skip
         self._since_save += 1
         if self._since_save >= SAVE_EVERY:
             self.save()

@@ -340,12 +340,13 @@ class ReTraceDFlashProposer(DFlashProposer):
         """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
         neither the proposer's nor the engine's time."""
         context = step.context_tokens(1 + self.max_verified)  # the decoding requests' rows: prefill chunks left out
-        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context)
+        split = step.row_split(1 + self.max_verified)  # (decoding requests, their verified rows, prefill rows)
+        decode_rows = split[:2] if split[2] == 0 and split[0] > 0 else None
+        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context, decode_rows)
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         if self.step_log.enabled:
             model = self.costs.model
             predicted = float(model.target_seconds(self.last_step.rows)) + float(model.context_seconds(*context))
-            split = step.row_split(1 + self.max_verified)
             self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted)
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())

@@ -21,11 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .shared.cost_model_retrace import CostCurve, HostKey, StepCostModel
-
-
-MIN_STEPS = 50  # decode steps a fit needs
-MIN_KNOT_WEIGHT = 3.0  # logged steps (interpolation weights summed) a knot needs to give back their contexts
+from .shared.cost_model_retrace import MIN_FIT_STEPS, CostCurve, HostKey, StepCostModel, knots_less_context
+from .shared.cost_model_retrace import fit_context_terms as cost_fit
 
 
 @dataclass(frozen=True)
@@ -55,58 +52,26 @@ def read_step_log(path) -> list[dict]:
     return steps
 
 
-def _least_squares(columns: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, float]:
-    coef = np.linalg.lstsq(columns, times, rcond=None)[0]
-    spread = float(((times - times.mean()) ** 2).sum()) or 1e-30
-    return coef, 1.0 - float(((times - columns @ coef) ** 2).sum()) / spread
-
-
 def fit_context_terms(steps: list[dict]) -> ContextFit:
-    """Fits `a` and `c` on the decode steps of `steps` (those with no prefill rows); a term the data make negative
-    is dropped and the other refitted (a context never makes a step faster).
+    """Fits `a` and `c` on the decode steps of `steps` (those with no prefill rows), as the engine does online
+    (`cost_model_retrace.fit_context_terms`).
 
     Raises:
-        ValueError: fewer than `MIN_STEPS` decode steps.
+        ValueError: fewer than `MIN_FIT_STEPS` decode steps.
     """
     decode = [s for s in steps if not s.get("prefill_rows") and s.get("decoding", 0) > 0]
-    if len(decode) < MIN_STEPS:
-        raise ValueError(f"the log has {len(decode)} decode steps, a fit needs {MIN_STEPS}: log a longer run")
-    times = np.array([s["target_s"] for s in decode], dtype=np.float64)
-    rows = np.array([[1.0, s["decoding"], s["verified"]] for s in decode], dtype=np.float64)
-    context = np.array([s["context"] for s in decode], dtype=np.float64)
-    _, r2_rows = _least_squares(rows, times)
-    keep = [0, 1]
-    while True:
-        coef, r2 = _least_squares(np.hstack([rows, context[:, keep]]), times)
-        terms = dict(zip(keep, coef[3:]))
-        negative = [k for k, v in terms.items() if v < 0]
-        if not negative:
-            break
-        keep = [k for k in keep if k != min(negative, key=terms.get)]
-    return ContextFit(float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows, len(decode))
+    if len(decode) < MIN_FIT_STEPS:
+        raise ValueError(f"the log has {len(decode)} decode steps, a fit needs {MIN_FIT_STEPS}: log a longer run")
+    columns = np.array([[s["decoding"], s["verified"], *s["context"], s["target_s"]] for s in decode], np.float64)
+    first, other, r2, r2_rows = cost_fit(*columns.T)
+    return ContextFit(first, other, r2, r2_rows, len(decode))
 
 
 def knots_without_context(curve: CostCurve, steps: list[dict], first: float, other: float) -> CostCurve:
-    """`curve` with each knot less `a * K + c * X` at the mean contexts of the logged steps it learned from (their
-    interpolation weights, as [`CostCurve.observe`] spreads a step); knots that saw too few steps are kept."""
-    sizes = curve.sizes
-    weight = np.zeros(sizes.size)
-    tokens = np.zeros((sizes.size, 2))
-    for step in steps:
-        size = float(step["rows"])
-        right = int(np.clip(np.searchsorted(sizes, size), 0, sizes.size - 1))
-        left = max(right - 1, 0)
-        share = 1.0
-        if sizes[right] != size and right > left:
-            share = float(np.clip((size - sizes[left]) / (sizes[right] - sizes[left]), 0.0, 1.0))
-        for knot, part in ((right, share), (left, 1.0 - share)):
-            weight[knot] += part
-            tokens[knot] += part * np.asarray(step["context"], dtype=np.float64)
-    seconds = curve.seconds.copy()
-    seen = weight >= MIN_KNOT_WEIGHT
-    mean = tokens[seen] / weight[seen, None]
-    seconds[seen] = np.maximum(seconds[seen] - first * mean[:, 0] - other * mean[:, 1], 0.0)
-    return CostCurve(sizes, seconds)
+    """`curve` with each knot less `first * K + other * X` at the mean contexts of the logged steps it learned from
+    (`cost_model_retrace.knots_less_context`)."""
+    contexts = np.array([s["context"] for s in steps], dtype=np.float64).reshape(-1, 2)
+    return knots_less_context(curve, [s["rows"] for s in steps], contexts[:, 0], contexts[:, 1], first, other)
 
 
 def write_terms(cache: Path, steps: list[dict], fit: ContextFit) -> StepCostModel:

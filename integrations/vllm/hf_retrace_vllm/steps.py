@@ -37,6 +37,8 @@ class StepRecord:
         context_tokens (`tuple[int, int]`): `(K, X)`, the context tokens the decoding requests' rows read (a row at
             position `p` reads `p + 1`), over each request's first row and over its verified rows: the cost model's
             context terms (`StepBatch.context_tokens`).
+        decode_rows (`tuple[int, int]` or `None`): `(requests, verified rows)` of a step with no prefill rows (the
+            context terms are fitted on those), `None` for one with prefill rows.
     """
 
     rows: int
@@ -48,6 +50,7 @@ class StepRecord:
     drafter_seconds: float
     propose_seconds: float
     context_tokens: tuple = (0, 0)
+    decode_rows: tuple | None = None
 
     def timings(self) -> dict[str, float]:
         """`{part: seconds}` of this step, `engine` included when known (the stats file's `timings` adds these)."""
@@ -82,10 +85,11 @@ class StepClock:
         self._parts[part] += now - self._mark
         self._mark = now
 
-    def finish(self, rows: int, requests: int, drafter_slots: int, context_tokens: tuple = (0, 0)) -> StepRecord:
+    def finish(self, rows: int, requests: int, drafter_slots: int, context_tokens: tuple = (0, 0),
+               decode_rows: tuple | None = None) -> StepRecord:  # fmt: skip
         record = StepRecord(
             rows, requests, drafter_slots, self._engine, self._parts["policy"], self._parts["context_kv"],
-            self._parts["drafter"], time.perf_counter() - self._start, context_tokens,
+            self._parts["drafter"], time.perf_counter() - self._start, context_tokens, decode_rows,
         )  # fmt: skip
         self.records.append(record)
         return record

@@ -120,10 +120,11 @@ def test_step_context_tokens_split_first_rows_from_the_others():
 def test_observed_steps_pass_their_context_to_the_cost_model(tmp_path):
     costs = EngineCosts(engine_key("t", "float32", 2, True), tmp_path / "c.json", save_at_exit=False)
     seen = []
-    record = StepRecord(5, 2, 0, 0.02, 0.001, 0.0, 0.0, 0.002, (300, 450))
+    record = StepRecord(5, 2, 0, 0.02, 0.001, 0.0, 0.0, 0.002, (300, 450), (2, 3))
     costs.source = "profile"  # past the warm-up: every step refreshes the model
     assert costs.observe(record, lambda *args: seen.append(args))
-    assert seen == [(5, 0, pytest.approx(0.022), 0.0, (300, 450))]
+    # its contexts, and (requests, verified rows) of a step with no prefill rows, for the fit of the context terms
+    assert seen == [(5, 0, pytest.approx(0.022), 0.0, (300, 450), (2, 3))]
 
 
 def test_bound_threads_reads_vllm_bind_lists():
@@ -202,6 +203,9 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
     assert proposer.costs.model.target_seconds(8) > proposer.costs.model.target_seconds(1) > 0
     records = [r for r in proposer.clock.records if r.rows]  # each step knows the contexts its rows read
     assert records and all(r.context_tokens[0] >= r.requests for r in records if r.rows == r.requests)
+    decode = [r for r in records if r.decode_rows is not None]  # steps with no prefill rows: split for the fit
+    assert decode and all(sum(r.decode_rows) == r.rows and r.decode_rows[0] == r.requests for r in decode)
+    assert len(decode) < len(records)  # the prompts' prefill steps are not
     assert any(r.context_tokens[1] > 0 for r in records)  # verified drafts
     assert stats["online_datastore_bytes"] > 0, stats
     online = proposer.online_datastore  # every finished request freed, its response in the global index

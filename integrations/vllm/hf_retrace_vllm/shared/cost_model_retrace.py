@@ -199,8 +199,8 @@ def cpu_features() -> str:
     return ",".join(name for name in _KERNEL_FEATURES if name in flags)
 
 
-OUTLIER_ERRORS = 4.0  # a step whose error is more than this many recent mean errors counts as that many
-CONTEXT_UNIT = 1000.0  # tokens: the context terms' least-squares fit counts `K` and `X` in thousands
+MIN_FIT_STEPS = 50  # decode steps a fit of the context terms needs
+MIN_KNOT_WEIGHT = 3.0  # steps (interpolation weights summed) a knot needs to give back their contexts
 RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off what this host measures by more than this is not trusted
 
 
@@ -242,19 +242,75 @@ def measure(run, sizes, repeats: int = 3, warmup: int = 1) -> list[tuple[int, fl
     return samples
 
 
+def fit_context_terms(requests, verified, first_rows_context, other_rows_context, seconds) -> tuple:
+    """`(a, c, r2, r2_rows_only)`: least squares of decode steps' target `seconds` (arrays of shape `(steps,)`) as
+    `b0 + b1 * requests + b2 * verified + a * K + c * X`, beside the rows-only fit's R^2. A term the data make
+    negative is dropped and the other refitted: a context never makes a step faster. Columns that never vary (batch
+    1: one request a step) are fine; least squares takes the smallest solution.
+
+    Raises:
+        ValueError: fewer than `MIN_FIT_STEPS` steps.
+    """
+    seconds = np.asarray(seconds, dtype=np.float64)
+    if seconds.size < MIN_FIT_STEPS:
+        raise ValueError(f"{seconds.size} decode steps, a fit of the context terms needs {MIN_FIT_STEPS}")
+    rows = np.stack([np.ones_like(seconds), np.asarray(requests, np.float64), np.asarray(verified, np.float64)], 1)
+    context = np.stack([np.asarray(first_rows_context, np.float64), np.asarray(other_rows_context, np.float64)], 1)
+    spread = float(((seconds - seconds.mean()) ** 2).sum()) or 1e-30
+
+    def solve(columns):
+        coef = np.linalg.lstsq(columns, seconds, rcond=None)[0]
+        return coef, 1.0 - float(((seconds - columns @ coef) ** 2).sum()) / spread
+
+    r2_rows = solve(rows)[1]
+    keep = [0, 1]
+    while True:
+        coef, r2 = solve(np.hstack([rows, context[:, keep]]))
+        terms = dict(zip(keep, coef[3:]))
+        negative = [k for k, v in terms.items() if v < 0]
+        if not negative:
+            return float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows
+        keep = [k for k in keep if k != min(negative, key=terms.get)]
+
+
+def knots_less_context(curve: "CostCurve", rows, first_rows_context, other_rows_context, first: float,
+                       other: float) -> "CostCurve":  # fmt: skip
+    """`curve` with each knot less `first * K + other * X` at the mean contexts of the steps (arrays of `rows`,
+    `K`, `X`) it learned from, weighted as [`CostCurve.observe`] spreads a step between two knots; a knot that saw
+    fewer than `MIN_KNOT_WEIGHT` of them is kept. The knots learn steps' times, contexts included, beyond the terms
+    they had: when the terms grow by `(first, other)`, this is what the knots give back."""
+    sizes = curve.sizes
+    rows = np.asarray(rows, dtype=np.float64)
+    right = np.clip(np.searchsorted(sizes, rows), 0, sizes.size - 1)
+    left = np.maximum(right - 1, 0)
+    gap = np.where(right > left, sizes[right] - sizes[left], 1.0)
+    share = np.where((right > left) & (sizes[right] != rows), np.clip((rows - sizes[left]) / gap, 0.0, 1.0), 1.0)
+    weight = np.bincount(right, share, sizes.size) + np.bincount(left, 1.0 - share, sizes.size)
+    tokens = np.zeros(sizes.size)
+    for values, term in ((first_rows_context, first), (other_rows_context, other)):
+        values = np.asarray(values, dtype=np.float64)
+        summed = np.bincount(right, share * values, sizes.size) + np.bincount(left, (1.0 - share) * values, sizes.size)
+        tokens += term * summed
+    seen = weight >= MIN_KNOT_WEIGHT
+    seconds = curve.seconds.copy()
+    seconds[seen] = np.maximum(seconds[seen] - tokens[seen] / weight[seen], 0.0)
+    return CostCurve(sizes, seconds)
+
+
 @dataclass
 class StepCostModel:
     """Target step time for `R` verified rows, `t(R) + a * K + c * X`, and drafter time `d(S)` for `S` drafter slots,
     in seconds.
 
     A row at position `p` attends to `p + 1` tokens. `K` sums that over each request's first row (one read of every
-    request's context) and `X` over its other rows (its verified tokens, or a prefill chunk's later rows). Whether an
+    request's context) and `X` over its other rows (its verified tokens). Whether an
     attention kernel reads a request's K/V once for all its rows or once per row decides whether a verified row's
     context costs little (`c` near 0) or as much as the first row's (`c` near `a`), so both are learned.
 
-    `t(R)` is measured with short contexts; `a` and `c` are learned online from how the steps' times vary with `K`
-    and `X` (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
-    `t(R + 1) - t(R) + c * L`: a long request may pay more for its drafts than a short one.
+    `t(R)` is measured with short contexts and refreshed from the steps' times less the terms; `a` and `c` are fitted
+    online by least squares on recent decode steps, with their own intercept and per-row terms, so they never trade
+    the level with the knots (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
+    `t(R + 1) - t(R) + c * L`: a long request pays more for its drafts than a short one.
 
     Args:
         target (`CostCurve`): `t(R)`.
@@ -266,12 +322,11 @@ class StepCostModel:
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
-        context_memory (`float`, *optional*, defaults to 0): steps the online estimate of `(a, c)` remembers (a
-            recursive least-squares fit that forgets older steps at `1 - 1 / context_memory` a step, see
-            [`StepCostModel.observe`]; 300 in the tests); 0 freezes both terms at their given values. Off by
-            default: replayed on a logged engine it predicts steps three times as closely as the knots alone, but
-            where the knots start far from the host's level the fit and the knots trade the level between them
-            (docs/cost-aware-speculation.md).
+        context_window (`int`, *optional*, defaults to 512): decode steps the context terms are fitted on; every
+            `refit_every` of them, `(a, c)` are refitted by least squares on the last `context_window` (see
+            [`StepCostModel.observe`]); 0 keeps them at their given values.
+        refit_every (`int`, *optional*, defaults to 16): decode steps between two fits.
+
     Example:
     ```python
     >>> model = StepCostModel.fit([(1, 0.0192), (8, 0.0388)], [(16, 0.004), (128, 0.030)])
@@ -285,7 +340,8 @@ class StepCostModel:
     context: tuple = (0.0, 0.0)
     alpha: float = 0.05
     max_change: float = 0.5
-    context_memory: float = 0.0
+    context_window: int = 512
+    refit_every: int = 16
     num_observed: int = field(default=0, compare=False)
 
     def __post_init__(self):
@@ -293,15 +349,14 @@ class StepCostModel:
         if len(self.context) != 2:
             raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
                              f"{self.context}")  # fmt: skip
-        if not np.isfinite(self.context_memory) or self.context_memory < 0:
-            raise ValueError(f"context_memory must be a number of steps >= 0 (0 freezes the context terms), got "
-                             f"{self.context_memory}")  # fmt: skip
-        # the least-squares state of (s, a, c) in the units of `_features`: the level `s` of the knots' prediction
-        # is fitted beside the terms (and not used), so `(a, c)` learn only what the knots' level does not explain
-        self._scale = float(self.target(1)) or 1.0  # seconds that `_features` divides times by
-        self._theta = np.array([1.0, *(np.array(self.context) * CONTEXT_UNIT / self._scale)])
-        self._covariance = np.eye(3)
-        self._error_scale = 1.0  # the fit's recent mean absolute error, in t(1)s: large at first, then learned
+        if self.context_window < 0 or self.refit_every < 1:
+            raise ValueError(f"context_window must be >= 0 (0 keeps the context terms) and refit_every >= 1, got "
+                             f"{self.context_window}, {self.refit_every}")  # fmt: skip
+        # the last `context_window` decode steps: rows, requests, verified rows, K, X, the target's seconds
+        self._steps = np.zeros((self.context_window, 6))
+        self._num_steps = 0  # decode steps seen; the newest sits at `(_num_steps - 1) % context_window`
+        self.fits = 0  # fits of the context terms taken
+        self.fit_r2 = None  # the last fit's R^2 (and that of the rows alone), `None` before the first
 
     @property
     def context_per_row(self) -> float:
@@ -335,15 +390,17 @@ class StepCostModel:
         return float(self.target(rows + 1) - self.target(rows)) + self.context[1] * context_tokens
 
     def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None,
-                first_rows_context: int = 0, other_rows_context: int = 0) -> None:  # fmt: skip
+                first_rows_context: int = 0, other_rows_context: int = 0, decode_rows: tuple | None = None) -> None:  # fmt: skip
         """Refreshes the model from one observed step of `rows` verified rows and `slots` drafter slots that took
         `seconds` in all; its rows read `first_rows_context` (`K`) and `other_rows_context` (`X`) context tokens.
         With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that drafted is split in
         proportion to the predictions.
 
-        The target's part teaches `(a, c)` first (a least-squares fit beside the knots' level, `_learn_context`), then
-        the target's part less `a * K + c * X` refreshes `t(R)`: the knots follow the level, and `(a, c)` what is
-        left when the contexts vary, steps of the same rows that read more context taking longer."""
+        The knots learn the target's part less `a * K + c * X`. `decode_rows = (requests, verified)`, for a step with
+        no prefill rows, also keeps the step for the context terms' fit: every `refit_every` such steps, `(a, c)`
+        are refitted by least squares (`fit_context_terms`) on the last `context_window`, with their own intercept
+        and per-row terms, so the fit never reads the knots and the knots cannot trade their level with it. The
+        knots then give back what the change of the terms now prices (`knots_less_context`)."""
         if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
             return
         context_part = self.context_seconds(first_rows_context, other_rows_context)
@@ -353,43 +410,28 @@ class StepCostModel:
         if slots > 0:
             self.drafter.observe(slots, drafter_seconds, self.alpha, self.max_change)
         target_seconds = seconds - (drafter_seconds or 0.0)
-        self._learn_context(target_seconds, rows, np.array([first_rows_context, other_rows_context], np.float64))
-        self.target.observe(rows, target_seconds - self.context_seconds(first_rows_context, other_rows_context),
-                            self.alpha, self.max_change)  # fmt: skip
+        self.target.observe(rows, target_seconds - context_part, self.alpha, self.max_change)
         self.num_observed += 1
+        if decode_rows is not None and self.context_window > 0:
+            self._steps[self._num_steps % self.context_window] = (rows, *decode_rows, first_rows_context,
+                                                                  other_rows_context, target_seconds)  # fmt: skip
+            self._num_steps += 1
+            if self._num_steps >= MIN_FIT_STEPS and self._num_steps % self.refit_every == 0:
+                self._refit_context()
 
-    def _features(self, rows: int, tokens: np.ndarray) -> np.ndarray:
-        """`[t(R), K, X]` in the units the least-squares state uses: times in `t(1)`s, tokens in `CONTEXT_UNIT`s."""
-        return np.array([float(self.target(rows)) / self._scale, *(tokens / CONTEXT_UNIT)])
-
-    def _learn_context(self, target_seconds: float, rows: int, tokens: np.ndarray) -> None:
-        """One recursive least-squares step of `target_seconds ~ s * t(R) + a * K + c * X` that forgets older steps
-        at `1 - 1 / context_memory`; the model then uses `(a, c)` clipped at 0.
-
-        `s`, the level of the knots' prediction, is fitted beside the two terms and dropped: the knots learn the
-        level (they refresh from each step), so `(a, c)` must only explain how steps of the same `t(R)` differ when
-        their contexts do. Without it, a knot that lags a slower host pushes its lag into `a`. The error is bounded,
-        so one stalled step moves the fit by a bounded amount; the covariance is kept within its start (a direction the steps stop exciting cannot grow a huge gain).
-
-        Outliers are bounded by the fit's own recent error (`OUTLIER_ERRORS` mean absolute errors), not by a fixed
-        fraction of a step: a bound that cut the large errors of the first steps (the terms start at 0) would
-        leave the fit biased for good, since its covariance shrinks with every step whatever the error."""
-        if self.context_memory <= 0 or not tokens.any():
+    def _refit_context(self) -> None:
+        """Refits `(a, c)` on the kept decode steps; a fit whose terms alone would exceed the steps' mean time (a
+        degenerate window) is not taken."""
+        steps = self._steps[: min(self._num_steps, self.context_window)]
+        rows, requests, verified, first, other, seconds = steps.T
+        a, c, r2, r2_rows = fit_context_terms(requests, verified, first, other, seconds)
+        if a * first.mean() + c * other.mean() > seconds.mean():
             return
-        forget = 1.0 - 1.0 / max(self.context_memory, 2.0)
-        features = self._features(rows, tokens)
-        error = target_seconds / self._scale - float(features @ self._theta)
-        bound = OUTLIER_ERRORS * self._error_scale  # an outlier (a stall) counts as this far off, no further
-        self._error_scale += (1.0 - forget) * (min(abs(error), bound) - self._error_scale)
-        error = min(max(error, -bound), bound)
-        spread = self._covariance @ features
-        gain = spread / (forget + float(features @ spread))
-        self._theta = self._theta + gain * error
-        self._covariance = (self._covariance - np.outer(gain, spread)) / forget
-        trace = float(np.trace(self._covariance))
-        if trace > 3.0:
-            self._covariance *= 3.0 / trace
-        self.context = tuple(max(0.0, float(v)) * self._scale / CONTEXT_UNIT for v in self._theta[1:])
+        change = (a - self.context[0], c - self.context[1])
+        self.target.seconds = knots_less_context(self.target, rows, first, other, *change).seconds  # in place
+        self.context = (a, c)
+        self.fits += 1
+        self.fit_r2 = (r2, r2_rows)
 
     def save(self, path, key: HostKey) -> None:
         """Writes the curves and `key` as JSON (atomically: a crash never leaves half a file)."""

@@ -23,7 +23,7 @@ for request_id in plan.drafting:          # run the drafter for these only (none
 verified = policy.num_drafts(plan, confidences)  # {request_id: k}, 0 allowed (then one plain target row)
 ...                                       # verify; time the target and the drafter
 policy.outcome(request_id, num_accepted)  # for every request that verified something
-policy.step_time(rows, drafter_slots, target_seconds, drafter_seconds, context_tokens)
+policy.step_time(rows, drafter_slots, target_seconds, drafter_seconds, context_tokens, decode_rows)
 policy.commit(request_id, new_tokens)     # and policy.finish(request_id) when it ends
 ```
 
@@ -360,14 +360,16 @@ class SpeculationPolicy:
             self.estimator.update(source, features, accepted, request_id)
 
     def step_time(self, rows: int, drafter_slots: int, target_seconds: float, drafter_seconds: float | None = None,
-                  context_tokens: tuple = (0, 0)) -> None:  # fmt: skip
+                  context_tokens: tuple = (0, 0), decode_rows: tuple | None = None) -> None:  # fmt: skip
         """Refreshes the cost model from one measured step: `rows` target rows in `target_seconds`, which read
         `context_tokens = (K, X)` context tokens (the requests' first rows, their other rows), and the drafter's
-        `drafter_slots` slots in `drafter_seconds` (`None`: not timed apart, the step is split by prediction)."""
+        `drafter_slots` slots in `drafter_seconds` (`None`: not timed apart, the step is split by prediction).
+        `decode_rows = (requests, verified rows)` for a step with no prefill rows: it then counts toward the fit of
+        the context terms."""
         if self.cost_model is not None:
             seconds = float(target_seconds) + float(drafter_seconds or 0.0)
             first, other = (int(k) for k in context_tokens)
-            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds, first, other)
+            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds, first, other, decode_rows)
 
     # -- request lifecycle ------------------------------------------------------------------------------------------
     def start(self, request_id, prompt_tokens) -> None:
