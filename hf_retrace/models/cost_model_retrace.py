@@ -351,8 +351,9 @@ class StepCostModel:
         if self.context_window < 0 or self.refit_every < 1:
             raise ValueError(f"context_window must be >= 0 (0 keeps the context terms) and refit_every >= 1, got "
                              f"{self.context_window}, {self.refit_every}")  # fmt: skip
-        # the last `context_window` decode steps: rows, requests, verified rows, K, X, the target's seconds
-        self._steps = np.zeros((self.context_window, 6))
+        # the last `context_window` decode steps: requests, verified rows (their sum is the step's rows), K, X, the
+        # target's seconds
+        self._steps = np.zeros((self.context_window, 5))
         self._num_steps = 0  # decode steps seen; the newest sits at `(_num_steps - 1) % context_window`
         self.fits = 0  # fits of the context terms taken
         self.fit_r2 = None  # the last fit's R^2 (and that of the rows alone), `None` before the first
@@ -389,7 +390,8 @@ class StepCostModel:
         return float(self.target(rows + 1) - self.target(rows)) + self.context[1] * context_tokens
 
     def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None,
-                first_rows_context: int = 0, other_rows_context: int = 0, decode_rows: tuple | None = None) -> None:  # fmt: skip
+                first_rows_context: int = 0, other_rows_context: int = 0,
+                decode_rows: tuple | None = None) -> None:  # fmt: skip
         """Refreshes the model from one observed step of `rows` verified rows and `slots` drafter slots that took
         `seconds` in all; its rows read `first_rows_context` (`K`) and `other_rows_context` (`X`) context tokens.
         With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that drafted is split in
@@ -412,7 +414,7 @@ class StepCostModel:
         self.target.observe(rows, target_seconds - context_part, self.alpha, self.max_change)
         self.num_observed += 1
         if decode_rows is not None and self.context_window > 0:
-            self._steps[self._num_steps % self.context_window] = (rows, *decode_rows, first_rows_context,
+            self._steps[self._num_steps % self.context_window] = (*decode_rows, first_rows_context,
                                                                   other_rows_context, target_seconds)  # fmt: skip
             self._num_steps += 1
             if self._num_steps >= MIN_FIT_STEPS and self._num_steps % self.refit_every == 0:
@@ -422,11 +424,12 @@ class StepCostModel:
         """Refits `(a, c)` on the kept decode steps; a fit whose terms alone would exceed the steps' mean time (a
         degenerate window) is not taken."""
         steps = self._steps[: min(self._num_steps, self.context_window)]
-        rows, requests, verified, first, other, seconds = steps.T
+        requests, verified, first, other, seconds = steps.T
         a, c, r2, r2_rows = fit_context_terms(requests, verified, first, other, seconds)
         if a * first.mean() + c * other.mean() > seconds.mean():
             return
         change = (a - self.context[0], c - self.context[1])
+        rows = requests + verified  # a decode step's rows: each request's first, then its verified tokens
         self.target.seconds = knots_less_context(self.target, rows, first, other, *change).seconds  # in place
         self.context = (a, c)
         self.fits += 1

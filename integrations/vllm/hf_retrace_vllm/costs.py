@@ -142,8 +142,8 @@ class EngineCosts:
     def observe(self, record, step_time=None) -> bool:
         """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle).
 
-        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens, decode_rows)` refreshes the curves (the policy's, which owns this
-        `model` too); without it, `model.observe` does."""
+        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens, decode_rows)` refreshes the curves
+        (the policy's, which owns this `model` too); without it, `model.observe` does."""
         costs = step_costs(record)
         if costs is None:
             return False

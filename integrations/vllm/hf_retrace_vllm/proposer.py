@@ -345,8 +345,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context, decode_rows)
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         if self.step_log.enabled:
-            model = self.costs.model
-            predicted = float(model.target_seconds(self.last_step.rows)) + float(model.context_seconds(*context))
+            predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context))
             self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted)
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())

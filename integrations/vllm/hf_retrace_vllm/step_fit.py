@@ -11,7 +11,8 @@ decode steps' target time is fitted by least squares as
 much of the steps' spread the fit explains, beside the rows alone. With `--cache` (the engine's step-cost file,
 `~/.cache/hf_retrace/cost/vllm-*.json`) and `--write`, the file gets `context = [a, c]`, and each knot of `t(R)`
 gives back what the logged steps near it read (`a * K + c * X` at their mean, less what the file's terms already
-took): the knots learned those steps' times, contexts included, and would otherwise count them twice. The next engine start with that file plans with the terms.
+took): the knots learned those steps' times, contexts included, and would otherwise count them twice. The next
+engine start with that file plans with the terms.
 """
 
 import argparse
