@@ -35,8 +35,12 @@ Prompts: two groups, reported apart. `pool_eval`: the eval splits of the pool's 
 reads (gsm_symbolic, humaneval, open_ended); `unseen`: families no training pool used (codeio, knights_knaves); all
 at evaluation seeds from 10000 (`hf_retrace.data.prompts`), chat template applied once, the same token ids to both
 engines. At concurrency C each group holds max(`--num-prompts-per-set` a set, `--prompt-factor` x C) distinct
-prompts (so at least two full batches), batches hold one group. The sampled passes read further prompts of the same
-sets, disjoint from every greedy one.
+prompts (so the engine is full at least twice over). `--schedule queue` (the default, as a server under steady load
+and as `vllm bench serve --max-concurrency C` runs): each group's prompts are submitted together to an engine that
+runs C of them at a time (`max_num_seqs = C`), a queued request starting as soon as a running one finishes.
+`--schedule batches`: closed batches of C prompts of one group, each stepped until its last request finishes; a
+batch then lasts as long as its slowest request, and steps near its end run part-empty. The sampled passes read
+further prompts of the same sets, disjoint from every greedy one.
 
 Measurement. A block is one method in one mode at one concurrency (and round): a fresh vLLM engine in its own worker
 process (`serving_vllm_worker.py` in `.venv-vllm`, fp32, `VLLM_CPU_OMP_THREADS_BIND=0-1`), warmed up on token ids of
@@ -93,6 +97,7 @@ WARMUP_TOKEN_IDS = list(range(1000, 1032))
 # guessed, most starts reuse the compile cache), the target's step in ms (compiled: 19.2 for 1 row + 2.8 a further
 # row, measured; eager guessed), transformers' tokens/s at batch 1
 STARTUP_S = {"compiled": 30.0, "eager": 20.0}
+SCHEDULES = ("queue", "batches")  # how a group's prompts reach an engine at concurrency C (`--schedule`)
 STEP_MS = {"compiled": (19.2, 2.8), "eager": (25.0, 2.8)}
 HF_TOKENS_PER_S = 25.0
 
@@ -102,7 +107,11 @@ def make_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--methods", default=ALL_METHODS, help=f"comma separated (default: {ALL_METHODS})")
     parser.add_argument("--modes", default="compiled", help="vLLM modes: compiled (vLLM's default), eager, or both")
-    parser.add_argument("--concurrency", default="1,4,8,16,32", help="vLLM requests at once; transformers: 1 only")
+    parser.add_argument("--concurrency", default="1,4,8,16,32", help="vLLM requests running at once; transformers: "
+                        "1 only")  # fmt: skip
+    parser.add_argument("--schedule", choices=SCHEDULES, default="queue", help="queue: a group's prompts submitted "
+                        "together, C running (max_num_seqs), a queued one starting when one finishes; batches: closed "
+                        "batches of C, each run to its last request")  # fmt: skip
     parser.add_argument("--sampled-concurrency", default="1,8", help="concurrencies that also run a sampled pass "
                         "(a subset of --concurrency; empty: none)")  # fmt: skip
     parser.add_argument("--num-prompts-per-set", type=int, default=4, help="prompts of each of the 5 sets, at least")
@@ -193,15 +202,17 @@ def _batch(spec, mode, c, r, group, reply, decoding) -> Batch:
 
 
 def run_vllm_block(spec, worker, mode, c, r, greedy, sampled, args) -> list[Batch]:
-    """The greedy then the sampled prompts of one block on a warm `worker`, `c` requests at once."""
+    """The greedy then the sampled prompts of one block on a warm `worker`, `c` requests running at once."""
     worker.generate([WARMUP_TOKEN_IDS], 16)
     if sampled:
         worker.generate([WARMUP_TOKEN_IDS], 16, {"temperature": args.temperature, "seeds": [args.sampling_seed]})
-    batches = []
-    for group in concurrent_batches(greedy, c):
+    batches, queue = [], args.schedule == "queue"
+    for group in concurrent_batches(greedy, c, queue):
         reply = worker.generate([p.token_ids for p in group], args.max_new_tokens)
         batches.append(_batch(spec, mode, c, r, group, reply, GREEDY))
-    for group in concurrent_batches(sampled, c):
+        if spec.kind == "ar":  # the same prompts' prefill alone: what no speculation shortens (a fresh prefix cache)
+            batches[-1].prefill_s = worker.generate([p.token_ids for p in group], 1, cache_salt="prefill")["seconds"]
+    for group in concurrent_batches(sampled, c, queue):
         reply = worker.generate([p.token_ids for p in group], args.max_new_tokens, sampling_for(group, args))
         batches.append(_batch(spec, mode, c, r, group, reply, SAMPLED))
     return batches
@@ -213,8 +224,9 @@ def vllm_block(spec, config, mode, c, r, greedy, sampled, args, state) -> list[B
     log = Path(args.output_dir) / "logs" / f"{spec.name}-{mode}-c{c}-round{r}.log"
     worker = None
     try:
+        max_num_seqs = c if args.schedule == "queue" else None  # batches: vLLM's default, above every batch
         worker = VllmWorker(args.target, config, log, mode, args.vllm_threads_bind, state.preload_env,
-                            args.max_model_len)  # fmt: skip
+                            args.max_model_len, max_num_seqs)  # fmt: skip
         state.note_worker(spec, mode, c, worker.info)
         return run_vllm_block(spec, worker, mode, c, r, greedy, sampled, args)
     except RuntimeError as error:
@@ -276,7 +288,8 @@ class RunState:
 def _settings(args) -> dict:
     """What the rows of a resumed run must share with the blocks already stored."""
     keys = ("target", "max_new_tokens", "prompt_seed", "num_prompts_per_set", "prompt_factor", "rounds",
-            "concurrencies", "sampled_concurrencies", "temperature", "sampling_seed", "max_model_len")  # fmt: skip
+            "concurrencies", "sampled_concurrencies", "temperature", "sampling_seed", "max_model_len",
+            "schedule")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -288,7 +301,7 @@ def _run_info(args, methods, configs, preloads) -> dict:
         "target": args.target, "max_new_tokens": args.max_new_tokens, "max_model_len": args.max_model_len,
         "prompts_per_set": args.num_prompts_per_set,
         "prompt_factor": args.prompt_factor, "prompt_seed": args.prompt_seed, "groups": GROUPS,
-        "rounds": args.rounds, "modes": args.mode_list, "concurrency": args.concurrencies,
+        "rounds": args.rounds, "modes": args.mode_list, "concurrency": args.concurrencies, "schedule": args.schedule,
         "sampling": {"temperature": args.temperature, "seed": args.sampling_seed,
                      "concurrency": args.sampled_concurrencies} if args.sampled_concurrencies else None,
         "methods": [asdict(s) for s in methods], "speculative_configs": configs,

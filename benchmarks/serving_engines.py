@@ -74,7 +74,7 @@ class VllmWorker:
     """A `serving_vllm_worker.py` process: one engine, JSON lines in and out, stderr to a log file."""
 
     def __init__(self, target: str, speculative_config: dict | None, log_path: Path, mode: str, threads_bind: str,
-                 env: dict, max_model_len: int = 4096):  # fmt: skip
+                 env: dict, max_model_len: int = 4096, max_num_seqs: int | None = None):  # fmt: skip
         stats = log_path.with_suffix(".proposer.json")  # the hf-retrace proposer's counters (plugin methods only)
         stats.unlink(missing_ok=True)
         # the preloads' environment first, then the bench's own settings (its cores, its stats file) over it
@@ -83,6 +83,7 @@ class VllmWorker:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         command = [str(VLLM_PYTHON), str(WORKER), "--target", target, "--max-model-len", str(max_model_len)]
         command += ["--compile"] if mode == "compiled" else []
+        command += [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
         if speculative_config is not None:
             command += ["--speculative-config", json.dumps(speculative_config)]
         self.log_path = log_path
@@ -102,9 +103,12 @@ class VllmWorker:
             raise RuntimeError(f"vLLM worker: {reply['error']}")
         return reply
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None) -> dict:
-        """`sampling`: None (greedy) or `{"temperature": t, "seeds": [one per prompt]}`."""
-        request = {"cmd": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens, "sampling": sampling}
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None,
+                 cache_salt: str | None = None) -> dict:
+        """`sampling`: None (greedy) or `{"temperature": t, "seeds": [one per prompt]}`; `cache_salt`: no prefix-cache
+        reuse of earlier calls."""
+        request = {"cmd": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens, "sampling": sampling,
+                   "cache_salt": cache_salt}  # fmt: skip
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return self._read()

@@ -211,13 +211,18 @@ def chunk_rounds(prompts: list[Prompt], rounds: int) -> list[list[Prompt]]:
     return [prompts[r::rounds] for r in range(rounds)]
 
 
-def concurrent_batches(chunk: list[Prompt], concurrency: int) -> list[list[Prompt]]:
-    """The chunk's prompts in batches of `concurrency` submitted at once, each batch of one group only, so a group's
-    rows time its own requests (a batch's wall time cannot be split among groups)."""
+def concurrent_batches(chunk: list[Prompt], concurrency: int, queue: bool = False) -> list[list[Prompt]]:
+    """The chunk's prompts in batches submitted at once, each batch of one group only, so a group's rows time its own
+    requests (a batch's wall time cannot be split among groups).
+
+    `queue=False`: batches of `concurrency` prompts, each stepped until all of its requests finish. `queue=True`: one
+    batch a group; the engine runs `concurrency` of its requests at a time (`max_num_seqs`) and starts a queued one
+    as soon as one finishes, as a server under steady load does."""
     batches = []
     for group in dict.fromkeys(p.group for p in chunk):
         prompts = [p for p in chunk if p.group == group]
-        batches += [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+        size = len(prompts) if queue else concurrency
+        batches += [prompts[i : i + size] for i in range(0, len(prompts), size)]
     return batches
 
 

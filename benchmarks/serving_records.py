@@ -25,6 +25,8 @@ class Batch:
     request, the target's negative log-likelihood of the generated tokens at the sampling temperature, summed over
     them. `peaks`: gauges read at the end of the batch (the online datastore's bytes), not deltas. `first_token_s`,
     `finish_s` (vLLM): per request, seconds from submission to its first token and to its last (`None`: not timed).
+    `prefill_s` (vLLM's target alone, greedy): seconds the same engine took to prefill the same prompts alone (one
+    new token each, no prefix-cache reuse), the part of `seconds` no speculation can shorten.
     """
 
     method: str
@@ -42,6 +44,7 @@ class Batch:
     peaks: dict = field(default_factory=dict)
     first_token_s: list[float | None] | None = None
     finish_s: list[float | None] | None = None
+    prefill_s: float | None = None
 
 
 def _latencies(b: Batch, picked: list[int]) -> tuple[list[float], list[float]]:
@@ -107,6 +110,7 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         return label == "pooled" or label in prompt_key[:2]
 
     cycles, tokens, num_prompts, seconds, counters, nll, peaks = [], 0, 0, 0.0, {}, None, {}
+    prefill = 0.0 if batches and all(b.prefill_s is not None for b in batches) else None
     ttft, tpot = [], []
     for b in batches:
         picked = [i for i, k in enumerate(b.prompts) if keep(k)]
@@ -123,6 +127,8 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         # of the batch's wall time (and counters) of its requests
         share = len(picked) / len(b.prompts)
         seconds += b.seconds * share
+        if prefill is not None:
+            prefill += b.prefill_s * share
         for k, v in b.counters.items():
             counters[k] = counters.get(k, 0) + v * share
         for k, v in b.peaks.items():
@@ -145,6 +151,8 @@ def _row(key: tuple, label: str, batches: list[Batch], failures: list[dict]) -> 
         "tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else None, "tpot_speedup": None,
         "nll_per_token": nll / tokens if nll is not None and tokens else None,
         "num_cycles": len(cycles), "new_tokens": tokens, "seconds": seconds,
+        # the target alone's rows: its prompts' prefill alone, and the end-to-end speedup a free decode would give
+        "prefill_s": prefill, "speedup_ceiling": seconds / prefill if prefill else None,
         "spec_decode_counters": counters or None, "peaks": peaks or None,
         "lossless": None if method == REFERENCES[engine] or decoding != GREEDY else lossless,
     }  # fmt: skip
@@ -154,7 +162,9 @@ def summarize(batches: list[Batch], failures: list[dict]) -> list[dict]:
     """Rows per (method, mode, concurrency, decoding) x (each group, each prompt set, pooled); `speedup` is over the
     same engine's target alone in the same mode at the same concurrency and decoding on the same prompts,
     `vs_hf_ar_batch1` over transformers' target alone at batch 1 (same decoding) on them; `tpot_speedup` is the
-    target alone's time per output token over the method's (the decode alone, where both were timed)."""
+    target alone's time per output token over the method's (the decode alone, where both were timed);
+    `speedup_ceiling` is the target alone's seconds over its prefill alone: no method's `speedup` can pass it (the
+    same tokens, and at least the same prefill), copied to every method's row from its reference's."""
     keys = list(dict.fromkeys((b.method, b.engine, b.mode, b.concurrency, b.decoding) for b in batches))
     labels = list(dict.fromkeys(k[0] for b in batches for k in b.prompts))
     labels += list(dict.fromkeys(k[1] for b in batches for k in b.prompts)) + ["pooled"]
@@ -164,12 +174,15 @@ def summarize(batches: list[Batch], failures: list[dict]) -> list[dict]:
         rows += [_row(key, label, subset, failures) for label in labels]
     speed = {(r["method"], r["mode"], r["concurrency"], r["decoding"], r["prompts"]): r["tokens_per_s"] for r in rows}
     tpot = {(r["method"], r["mode"], r["concurrency"], r["decoding"], r["prompts"]): r["tpot_ms"] for r in rows}
+    ceiling = {(r["method"], r["mode"], r["concurrency"], r["decoding"], r["prompts"]): r["speedup_ceiling"]
+               for r in rows}  # fmt: skip
     for r in rows:
         ref_key = (REFERENCES[r["engine"]], r["mode"], r["concurrency"], r["decoding"], r["prompts"])
         if r["tpot_ms"] and tpot.get(ref_key):
             r["tpot_speedup"] = tpot[ref_key] / r["tpot_ms"]  # the decode's speedup, the prefill left out
         ref = speed.get(ref_key)
         hf = speed.get(("hf_ar", "hf", 1, r["decoding"], r["prompts"]))
+        r["speedup_ceiling"] = ceiling.get(ref_key)
         if r["tokens_per_s"] is not None:
             r["speedup"] = r["tokens_per_s"] / ref if ref else None
             r["vs_hf_ar_batch1"] = r["tokens_per_s"] / hf if hf else None

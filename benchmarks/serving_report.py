@@ -14,6 +14,13 @@ PROPOSER_SOURCES = ("lookup", "datastore", "online_datastore", "draft")  # the p
 PLOT = "tokens_per_s.png"
 
 
+SCHEDULE_LINES = {  # how a concurrency's prompts reached the engine (`--schedule`); runs before the option: batches
+    "queue": "Concurrency C: each group's prompts submitted together, C running at a time (max_num_seqs = C), a "
+    "queued request starting when one finishes.",
+    "batches": "Concurrency C: closed batches of C prompts, each stepped until its last request finishes.",
+}
+
+
 def _fmt(value, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
@@ -46,7 +53,8 @@ def _header(run_info: dict) -> list[str]:
         f"{run_info['prompts_per_set']} a set, and at least {run_info.get('prompt_factor', 1)}x the concurrency per "
         f"group; `pool_eval` = {', '.join(GROUPS['pool_eval'])} (eval splits), `unseen` = "
         f"{', '.join(GROUPS['unseen'])} (no pool used them). {run_info['rounds']} round(s), methods rotated; a fresh "
-        "vLLM engine per method, mode and concurrency, one alive at a time.",
+        "vLLM engine per method, mode and concurrency, one alive at a time. "
+        + SCHEDULE_LINES[run_info.get("schedule", "batches")],
         "",
         f"{TAU_NOTE}. tau drafted = 1 + accepted / drafts from vLLM's spec-decode counters (cycles with a draft). "
         "Speedup = tokens/s over the same engine's target alone in the same mode at the same concurrency; vs hf_ar = "
@@ -88,18 +96,21 @@ def _summary_lines(rows: list[dict]) -> list[str]:
 
 def _decode_lines(rows: list[dict]) -> list[str]:
     """Greedy prefill and decode apart (vLLM rows that timed them): mean time to first token, mean time per output
-    token after it, and the decode's speedup beside the end-to-end one. Long prompts (codeio's ~950 tokens) make the
-    prefill, which speculation leaves as it is, a large share of a 64-token request."""
+    token after it, and the decode's speedup beside the end-to-end one and its ceiling. Long prompts (codeio's ~950
+    tokens) make the prefill, which speculation leaves as it is, a large share of a 64-token request: the ceiling is
+    the target alone's seconds over its prefill alone (one token a prompt), the speedup a free decode would give."""
     timed = [r for r in rows if r["decoding"] == GREEDY and r["prompts"] in GROUPS and r["tpot_ms"] is not None]
     if not timed:
         return []
     lines = ["", "## Prefill and decode apart (greedy): time to first token, time per output token after it", "",
-             "| method | mode | prompts | C | TTFT ms | TPOT ms | decode speedup (TPOT) | end-to-end speedup |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| method | mode | prompts | C | TTFT ms | TPOT ms | decode speedup (TPOT) | end-to-end speedup "
+             "| ceiling (prefill alone) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted(timed, key=lambda r: (r["mode"], r["prompts"], r["concurrency"])):
         lines.append(f"| {r['method']} | {r['mode']} | {r['prompts']} | {r['concurrency']} "
                      f"| {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} "
-                     f"| {_fmt(r['tpot_speedup'], '.2f', 'x')} | {_fmt(r['speedup'], '.2f', 'x')} |")  # fmt: skip
+                     f"| {_fmt(r['tpot_speedup'], '.2f', 'x')} | {_fmt(r['speedup'], '.2f', 'x')} "
+                     f"| {_fmt(r.get('speedup_ceiling'), '.2f', 'x')} |")  # fmt: skip
     return lines
 
 

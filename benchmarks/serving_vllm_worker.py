@@ -1,20 +1,23 @@
 """One vLLM engine, driven by `benchmarks/serving.py` over JSON lines (runs in `.venv-vllm`; never imports hf_retrace).
 
     .venv-vllm/bin/python benchmarks/serving_vllm_worker.py --target DIR [--speculative-config JSON] [--compile]
+        [--max-num-seqs C]
 
 Protocol: after the engine is up, the worker writes `{"ready": true, "preloaded": {...}, ...}` (`preloaded`: whether
 tcmalloc and Intel OpenMP are mapped in this process, i.e. whether `LD_PRELOAD` took); then, for each request line
 on stdin, one reply line on stdout:
 
-    {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64, "sampling": null}
+    {"cmd": "generate", "prompts": [[id, ...], ...], "max_new_tokens": 64, "sampling": null, "cache_salt": null}
       -> {"outputs": [{"token_ids": [...], "cycles": [n, ...], "first_token_s": s, "finish_s": s}, ...],
           "seconds": s, "counters": {...}, "peaks": {...}}
     {"cmd": "quit"} -> {"bye": true}, then exit
 
-`sampling`: null for greedy, or `{"temperature": t, "seeds": [one per prompt]}` (plain temperature sampling: no
+`cache_salt` (optional): a string that keeps the call's prompts from reusing the prefix cache of earlier calls (the
+bench's prefill-only pass re-reads the prompts it just timed). `sampling`: null for greedy, or `{"temperature": t, "seeds": [one per prompt]}` (plain temperature sampling: no
 top-k, no top-p; each request seeded, so a rerun draws the same).
 
-All prompts of one `generate` are submitted at once (concurrency = len(prompts)) and stepped to completion.
+All prompts of one `generate` are submitted at once and stepped to completion: all of them run together, or with
+`--max-num-seqs C` C at a time, the rest queued (vLLM starts a queued request when a running one finishes).
 `first_token_s` and `finish_s` are the seconds from submission to the request's first token (its time to first
 token, the prefill) and to its last; what lies between is its decode (time per output token: `(finish_s -
 first_token_s) / (tokens - 1)`). `cycles` are the tokens each engine step committed for that request (bonus
@@ -102,15 +105,17 @@ def sampling_params(prompts: list, max_new_tokens: int, sampling: dict | None) -
     ]
 
 
-def generate(engine, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None) -> dict:
-    """Submits every prompt at once, steps the engine until all finish; `max_new_tokens` at most each."""
+def generate(engine, prompts: list[list[int]], max_new_tokens: int, sampling: dict | None = None,
+             cache_salt: str | None = None) -> dict:
+    """Submits every prompt at once, steps the engine until all finish; `max_new_tokens` at most each. `cache_salt`
+    keeps vLLM's prefix cache from reusing blocks of calls without it (or with another salt)."""
     params = sampling_params(prompts, max_new_tokens, sampling)
     before = read_counters(engine) | read_proposer_stats()[0]
     start = time.perf_counter()
     ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]  # outputs carry these (add_request's return
     steps = {rid: [] for rid in ids}  # value is vLLM's internal id)
     for rid, prompt, p in zip(ids, prompts, params):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+        engine.add_request(rid, {"prompt_token_ids": prompt} | ({"cache_salt": cache_salt} if cache_salt else {}), p)
     engine_steps, step_seconds, first, last = 0, 0.0, {}, {}
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
@@ -143,6 +148,8 @@ def main() -> None:
     parser.add_argument("--speculative-config", default=None, help="JSON for vLLM's speculative_config")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--compile", action="store_true", help="vLLM's default compiled mode (else enforce_eager)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests the engine runs at once; the "
+                        "rest wait in its queue (default: vLLM's)")  # fmt: skip
     args = parser.parse_args()
 
     reply_fd = os.dup(1)  # replies go here; vLLM's prints (and its engine process's) go to stderr
@@ -160,6 +167,7 @@ def main() -> None:
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
         disable_log_stats=False,  # the spec-decode counters need stats
         seed=0,
+        **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
     )
     import vllm
 
@@ -177,7 +185,8 @@ def main() -> None:
         if request["cmd"] != "generate":
             replies.write(json.dumps({"error": f"unknown cmd {request['cmd']!r}; expected generate or quit"}) + "\n")
             continue
-        reply = generate(engine, request["prompts"], request["max_new_tokens"], request.get("sampling"))
+        reply = generate(engine, request["prompts"], request["max_new_tokens"], request.get("sampling"),
+                         request.get("cache_salt"))
         replies.write(json.dumps(reply) + "\n")
 
 

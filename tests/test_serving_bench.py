@@ -99,6 +99,7 @@ def test_parse_args_defaults_and_quick(target):
     args = serving.parse_args(["--target", target])
     assert (args.mode_list, args.concurrencies) == (["compiled"], [1, 4, 8, 16, 32])
     assert args.sampled_concurrencies == [1, 8]
+    assert args.schedule == "queue" and serving._settings(args)["schedule"] == "queue"  # a resume checks it
     quick = serving.parse_args(["--target", target, "--quick", "--modes", "compiled,eager"])
     assert (quick.mode_list, quick.concurrencies, quick.sampled_concurrencies) == (["compiled"], [1, 4], [1])
     assert (quick.num_prompts_per_set, quick.max_new_tokens) == (2, 32)
@@ -108,7 +109,7 @@ def test_parse_args_defaults_and_quick(target):
 @pytest.mark.parametrize(
     "argv",
     [["--modes", "jit"], ["--sampled-concurrency", "2"], ["--temperature", "0"], ["--rounds", "0"],
-     ["--max-model-len", "64"]],
+     ["--max-model-len", "64"], ["--schedule", "fifo"]],
 )  # fmt: skip
 def test_parse_args_usage_errors(target, argv):
     with pytest.raises(SystemExit) as error:
@@ -192,6 +193,10 @@ def test_rounds_batches_and_rotation():
     assert [[(p.prompt_set, p.index) for p in b] for b in methods.concurrent_batches(chunk, 4)] == [
         [("a", 0), ("a", 1), ("a", 2), ("a", 3)], [("a", 4)], [("b", 0), ("b", 1), ("b", 2)]
     ]
+    # queued: one batch a group, the engine running 4 of it at a time
+    assert [[(p.prompt_set, p.index) for p in b] for b in methods.concurrent_batches(chunk, 4, queue=True)] == [
+        [("a", i) for i in range(5)], [("b", i) for i in range(3)]
+    ]
 
 
 def test_schedule_rotates_methods_and_runs_transformers_once(target):
@@ -273,10 +278,11 @@ def test_counters_split_by_share_and_peaks_kept_whole():
 
 def test_prefill_and_decode_are_timed_apart_per_request():
     """Time to first token and time per output token after it, per request, and the decode's speedup beside the
-    end-to-end one: the same prefill (4 s) for both, a decode twice as fast."""
+    end-to-end one: the same prefill (4 s) for both, a decode twice as fast; the ceiling is the target alone's
+    seconds over its prefill alone (6 s of 12)."""
     batches = [
         Batch("vllm_ar", "vllm", 2, 0, KEYS, [[1] * 5, [2] * 3], [[1] * 4, [1] * 2], 12.0, mode="compiled",
-              first_token_s=[4.0, 4.0], finish_s=[8.0, 6.0]),
+              first_token_s=[4.0, 4.0], finish_s=[8.0, 6.0], prefill_s=6.0),
         Batch("vllm_suffix", "vllm", 2, 0, KEYS, [[1] * 5, [2] * 3], [[2, 2], [2]], 9.0, mode="compiled",
               first_token_s=[4.0, 4.0], finish_s=[6.0, None]),  # an untimed request counts in neither mean
     ]  # fmt: skip
@@ -287,8 +293,11 @@ def test_prefill_and_decode_are_timed_apart_per_request():
     suffix = row[("vllm_suffix", "pool_eval")]
     assert suffix["tpot_ms"] == pytest.approx(500) and suffix["tpot_speedup"] == pytest.approx(2.0)
     assert row[("vllm_suffix", "unseen")]["tpot_ms"] is None
+    assert row[("vllm_ar", "pooled")]["prefill_s"] == pytest.approx(6.0)
+    assert suffix["speedup_ceiling"] == pytest.approx(2.0) and suffix["prefill_s"] is None  # the reference's, copied
     md = report.render_markdown(rows, _run_info(), [], [])
-    assert "| vllm_suffix | compiled | pool_eval | 2 | 4000 | 500.0 | 2.00x | 1.33x |" in md
+    assert "| vllm_suffix | compiled | pool_eval | 2 | 4000 | 500.0 | 2.00x | 1.33x | 2.00x |" in md
+    assert "closed batches of C prompts" in md  # a run before `--schedule` ran batches
 
 
 def _run_info(**extra):
