@@ -27,6 +27,20 @@ The BLAS kernel behind the transposed product is itself uneven in the row count:
 more than 4, and 13-15 rows more than 16 (docs/findings.md). So `enable_skinny_gemm` times a
 pass over the model's own weights at every width up to `tune_rows` and zero-pads each row count to the cheapest
 width at or above it ([`tune_widths`]); the padded rows' outputs are dropped.
+
+Which kernel wins depends on the CPU. On an AVX-512 host torch's own `linear` is the fast one for 1 to 3 rows
+(SmolLM2-135M's linears: 22-24 ms a pass, against 30-46 ms transposed) and the slow one from 4 rows on (50-102 ms
+against ~45 ms). So the tuning also times torch's `linear` at each row count and keeps it where it is cheapest
+(`widths[r] = 0`).
+
+A third kernel is MKL's packed GEMM, the one torch's inductor uses for frozen fp32 CPU linears
+(`torch.ops.mkl._mkl_reorder_linear_weight` packs a weight once for `P` rows, `torch.ops.mkl._mkl_linear` runs it).
+On the AVX-512 host a pass packed for 12 rows costs ~31 ms for any 4 to 12 rows, against ~45 ms transposed and
+50-74 ms through `linear`. The tuning times it at a few pack widths and, where it is the cheapest, pads those row
+counts to the chosen `P` (`widths[r] = -P`); the packed copies cost about twice the weights' memory, so models whose
+routed weights exceed `PACK_MAX_BYTES` are not packed. A packed copy is used only while its weight is unchanged
+(the weight's in-place version counter, which `optimizer.step()` and `load_state_dict` advance) and no gradient is
+needed; otherwise torch's `linear` runs.
 """
 
 import functools
@@ -41,6 +55,8 @@ logger = logging.get_logger(__name__)
 
 
 DEFAULT_MAX_ROWS = 64
+PACK_WIDTHS = (8, 12, 16, 24)  # the pack widths `P` the tuning tries (at most its `tune_rows`)
+PACK_MAX_BYTES = 2**30  # routed fp32 weights above this are not packed (the packed copies take about twice as much)
 # what `hf-retrace bench` and `examples/01_generate.py` tune: every verification forward of the shipped
 # setting (4 tokens) and the drafter's block of 16 with its few context rows
 DEFAULT_TUNE_ROWS = 24
@@ -52,6 +68,7 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     max_rows: int = DEFAULT_MAX_ROWS,
     widths: list[int] | None = None,
+    packed: "PackedWeight | None" = None,
 ) -> torch.Tensor:
     """`nn.functional.linear(x, weight, bias)`, as a transposed GEMM when `x` has 1..`max_rows` rows.
 
@@ -60,8 +77,11 @@ def skinny_linear(
         weight: `[out_features, in_features]`, contiguous (as `nn.Linear` keeps it).
         bias: `[out_features]` or `None`.
         max_rows: most rows sent to the transposed GEMM.
-        widths: `widths[r] >= r` is the GEMM width that `r` rows are zero-padded to ([`tune_widths`]); counts
-            beyond the list are not padded. `None`: one row is padded to two, other counts are not.
+        widths: `widths[r] >= r` is the GEMM width that `r` rows are zero-padded to, or `0` where torch's own
+            `linear` is the cheaper kernel for `r` rows, or `-P` where MKL's packed GEMM is (the rows zero-padded
+            to `P`, `packed` the weight packed for `P` rows) ([`tune_widths`]); counts beyond the list are not
+            padded. `None`: one row is padded to two, other counts are not.
+        packed: `weight` packed by [`pack_weight`]; without it (or once `weight` changed) `-P` runs torch's `linear`.
 
     Returns:
         `[..., out_features]`, contiguous.
@@ -80,6 +100,10 @@ def skinny_linear(
         width = max(rows, 2)
     else:
         width = widths[rows] if rows < len(widths) else rows
+        if width == 0:  # torch's own kernel is the cheaper one for this many rows on this host
+            return nn.functional.linear(x, weight, bias)
+        if width < 0:
+            return _packed_linear(x, weight, bias, rows, -width, packed)
     if width > rows:
         flat = nn.functional.pad(flat, (0, 0, 0, width - rows))  # [width, in]: zero rows after the real ones
     # [out, in] @ [in, width] with the right operand a transposed view: the kernel that streams the weight.
@@ -89,8 +113,41 @@ def skinny_linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _packed_linear(x, weight, bias, rows: int, width: int, packed: "PackedWeight | None") -> torch.Tensor:
+    """`linear(x, weight, bias)` through MKL's packed GEMM, the `rows` rows zero-padded to the pack's `width`; torch's
+    `linear` when there is no usable pack (none, another width, a changed weight, or a gradient to track)."""
+    usable = (
+        packed is not None and packed.width == width >= rows and packed.version == weight._version
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    )  # fmt: skip
+    if not usable:
+        return nn.functional.linear(x, weight, bias)
+    flat = nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, width - rows))  # [width, in]
+    out = torch.ops.mkl._mkl_linear(flat, packed.data, weight, bias, width)[:rows]  # [rows, out]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class PackedWeight:
+    """A weight packed by MKL for `width` rows (`data`, an opaque MKL-DNN tensor), and the weight's in-place version
+    counter when it was packed: a later in-place change of the weight makes the pack stale."""
+
+    def __init__(self, weight: torch.Tensor, width: int):
+        with torch.no_grad():
+            self.data = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), width)
+        self.width, self.version = width, weight._version
+
+
+def packing_available() -> bool:
+    """Whether this torch build has MKL's packed GEMM ops (x86 CPU wheels do)."""
+    try:
+        PackedWeight(torch.zeros(8, 8), 2)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _skinny_forward(module: nn.Linear, max_rows: int, widths: list[int] | None, x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, module.weight, module.bias, max_rows, widths)
+    return skinny_linear(x, module.weight, module.bias, max_rows, widths, module.__dict__.get("_skinny_packed"))
 
 
 def _is_routed(module: nn.Module) -> bool:
@@ -107,8 +164,9 @@ def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, tune_
             is left alone, so [`disable_skinny_gemm`] can restore every routed one to its class `forward`. Calling it
             again re-routes the already routed linears with the new settings.
         max_rows: most rows sent to the transposed GEMM.
-        tune_rows: with `tune_rows > 0`, row counts up to it are padded to the widths [`tune_widths`] measures on
-            the model's fp32 CPU weights (a few seconds for a 135M model at 24 rows); `0` pads one row to two only.
+        tune_rows: with `tune_rows > 0`, row counts up to it take the kernel and width [`tune_widths`] measures on
+            the model's fp32 CPU weights (a few seconds for a 135M model at 24 rows), their weights packed when it
+            picks MKL's packed GEMM; `0` pads one row to two only.
     Returns:
         How many linears were routed (0 for a model without plain `nn.Linear`s).
     """
@@ -121,8 +179,13 @@ def enable_skinny_gemm(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, tune_
         if type(module) is nn.Linear and ("forward" not in module.__dict__ or _is_routed(module))
     ]  # fmt: skip
     weights = [m.weight for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    widths = tune_widths(weights, tune_rows) if tune_rows and weights else None
+    pack = sum(w.numel() * 4 for w in weights) <= PACK_MAX_BYTES and packing_available()
+    widths = tune_widths(weights, tune_rows, pack=pack) if tune_rows and weights else None
+    pack_width = -min(widths) if widths and min(widths) < 0 else 0
     for module in linears:
+        module.__dict__.pop("_skinny_packed", None)
+        if pack_width and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            module._skinny_packed = PackedWeight(module.weight, pack_width)  # a plain attribute: not in state_dict
         module.forward = functools.partial(_skinny_forward, module, max_rows, widths)
     return len(linears)
 
@@ -155,36 +218,62 @@ def enable_skinny_gemm_where_it_pays(model: nn.Module, tune_rows: int = DEFAULT_
 
 
 @torch.no_grad()
-def tune_widths(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, margin: float = 0.03) -> list[int]:
-    """The GEMM width each row count `0..max_rows` is padded to: the cheapest measured width at or above it.
+def tune_widths(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, margin: float = 0.03,
+                pack: bool = False) -> list[int]:  # fmt: skip
+    """The kernel of each row count `0..max_rows`: the transposed GEMM at the cheapest measured width at or above
+    it, or torch's own `linear` (`0`) where that is cheaper still.
 
-    A count keeps its own width unless a larger one is cheaper by more than `margin`, so timing noise rarely pads.
-    Padding changes the real rows' products by fp32 summation order at most, like any change of BLAS kernel.
+    A count keeps its own width unless a larger one is cheaper by more than `margin`, so timing noise rarely pads;
+    torch's `linear` is kept unless the transposed GEMM is cheaper by more than `margin`. With `pack`, MKL's packed
+    GEMM at one pack width `P` (of [`PACK_WIDTHS`] up to `max_rows`) takes the counts up to `P` where it is cheaper
+    than both by more than `margin`. Padding or a change of kernel changes the real rows' products by fp32 summation
+    order at most, like any change of BLAS kernel.
 
     Args:
         weights: the `[out, in]` fp32 CPU weights of the linears to be routed.
     Returns:
-        `widths`, `max_rows + 1` ints with `widths[r] >= r` (`widths[0] = 0`).
+        `widths`, `max_rows + 1` ints with `widths[r] >= r`, `0` (torch's `linear`) or `-P` (`widths[0] = 0`).
     """
-    return cheapest_widths(width_costs(weights, max_rows, repeats), margin)
+    transposed = width_costs(weights, max_rows, repeats)
+    stock = width_costs(weights, max_rows, repeats, stock=True)
+    packed = {w: packed_cost(weights, w, repeats) for w in PACK_WIDTHS if w <= max_rows} if pack else None
+    return cheapest_widths(transposed, margin, stock, packed)
 
 
-def cheapest_widths(cost: list[float], margin: float = 0.03) -> list[int]:
+def cheapest_widths(cost: list[float], margin: float = 0.03, stock_cost: list[float] | None = None,
+                    packed_cost: dict[int, float] | None = None) -> list[int]:  # fmt: skip
     """`widths[r]`: the cheapest width at or above `r` by `cost` (`cost[w]`, seconds at width `w`, `cost[0]` unused),
-    keeping `r` itself unless a larger width is cheaper by more than `margin`."""
+    keeping `r` itself unless a larger width is cheaper by more than `margin`; then `0` (torch's `linear`) where
+    `stock_cost[r]`, its seconds for `r` rows, is not above that width's by more than `margin`; then `-P` for the
+    counts up to `P` where `packed_cost[P]` (seconds of a pass packed for `P` rows) is cheaper still by more than
+    `margin`, `P` the pack width that saves the most seconds over all counts, count `r` weighted `1 / r` (one pack a
+    model, for memory; verification lengths fall off with acceptance, so a few rows are the common case)."""
     max_rows = len(cost) - 1
-    widths, cheapest = [0] * (max_rows + 1), max_rows
+    widths, seconds, cheapest = [0] * (max_rows + 1), [0.0] * (max_rows + 1), max_rows
     for rows in range(max_rows, 0, -1):  # `cheapest`: the best width in rows .. max_rows
         if cost[rows] <= cost[cheapest] * (1 + margin):
             cheapest = rows
-        widths[rows] = cheapest
+        widths[rows], seconds[rows] = cheapest, cost[cheapest]
+        if stock_cost is not None and stock_cost[rows] <= cost[cheapest] * (1 + margin):
+            widths[rows], seconds[rows] = 0, stock_cost[rows]
+
+    def saved(width: int) -> float:  # seconds the pack of `width` saves over the counts it would take, weighted
+        counts = range(1, min(width, max_rows) + 1)
+        return sum(max(seconds[r] - packed_cost[width] * (1 + margin), 0.0) / r for r in counts)
+
+    best = max(packed_cost or {}, key=saved, default=None)
+    if best is not None and saved(best) > 0:
+        for rows in range(1, min(best, max_rows) + 1):
+            if packed_cost[best] * (1 + margin) < seconds[rows]:
+                widths[rows] = -best
     return widths
 
 
 @torch.no_grad()
-def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2) -> list[float]:
+def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, stock: bool = False) -> list[float]:
     """Seconds of one pass of transposed products over all `weights`, in order, at every width `1..max_rows` (best
-    of `repeats`; `[0]` is 0). One pass reads every weight once, as a forward does, so caches are as cold as there."""
+    of `repeats`; `[0]` is 0); with `stock`, of torch's own `linear` over that many rows instead. One pass reads every
+    weight once, as a forward does, so caches are as cold as there."""
     inputs = {weight.shape[1]: torch.zeros(max_rows, weight.shape[1]) for weight in weights}
     cost = [0.0] * (max_rows + 1)
     for width in range(1, max_rows + 1):
@@ -192,10 +281,28 @@ def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2) ->
         for _ in range(repeats):
             start = time.perf_counter()
             for weight in weights:
-                torch.mm(weight, inputs[weight.shape[1]][:width].t())
+                if stock:
+                    nn.functional.linear(inputs[weight.shape[1]][:width], weight)
+                else:
+                    torch.mm(weight, inputs[weight.shape[1]][:width].t())
             best = min(best, time.perf_counter() - start)
         cost[width] = best
     return cost
+
+
+@torch.no_grad()
+def packed_cost(weights: list[torch.Tensor], width: int, repeats: int = 2) -> float:
+    """Seconds of one pass of MKL's packed GEMM over all `weights` at `width` rows (packed for `width`; best of
+    `repeats`). The packs are dropped after."""
+    packs = [PackedWeight(weight, width) for weight in weights]
+    inputs = {weight.shape[1]: torch.zeros(width, weight.shape[1]) for weight in weights}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for weight, pack in zip(weights, packs):
+            torch.ops.mkl._mkl_linear(inputs[weight.shape[1]], pack.data, weight, None, width)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def disable_skinny_gemm(model: nn.Module) -> int:
@@ -205,4 +312,5 @@ def disable_skinny_gemm(model: nn.Module) -> int:
     routed = [module for module in model.modules() if _is_routed(module)]
     for module in routed:
         del module.forward
+        module.__dict__.pop("_skinny_packed", None)
     return len(routed)

@@ -19,6 +19,9 @@ from hf_retrace.skinny_gemm import (
 )
 
 
+needs_packing = pytest.mark.skipif(not skinny_gemm.packing_available(), reason="this torch build has no MKL packing")
+
+
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 24), (1, 5, 24), (2, 32, 24)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_equals_linear(shape, with_bias):
@@ -142,10 +145,28 @@ def test_padding_reaches_the_gemm(monkeypatch):
 
 def test_tuned_widths_pick_the_cheapest_width_at_or_above(monkeypatch):
     costs = [0.0, 5.0, 2.0, 3.0, 1.0, 4.0, 4.05]  # seconds per width 1..6
-    monkeypatch.setattr(skinny_gemm, "width_costs", lambda weights, max_rows, repeats: costs[: max_rows + 1])
+    stock = [0.0] + [9.0] * 6  # torch's own linear slower at every count: never taken
+
+    def fake_costs(weights, max_rows, repeats, stock_kernel=False):
+        return (stock if stock_kernel else costs)[: max_rows + 1]
+
+    monkeypatch.setattr(skinny_gemm, "width_costs", lambda w, r, n, stock=False: fake_costs(w, r, n, stock))
     # 1-3 pad to 4, the cheapest; 5 and 6 keep their own width (nothing above them is cheaper by over 3%)
     assert skinny_gemm.tune_widths([], 6) == [0, 4, 4, 4, 4, 5, 6]
     assert skinny_gemm.tune_widths([], 3) == [0, 2, 2, 3]
+    # an AVX-512 host: torch's linear is cheapest for 1 and 2 rows, within 3% for 5, dearer for 3, 4 and 6
+    stock[1:] = [0.5, 0.9, 1.5, 1.2, 4.1, 4.2]
+    assert skinny_gemm.tune_widths([], 6) == [0, 0, 0, 4, 4, 0, 6]
+
+
+def test_a_zero_width_runs_torch_linear(monkeypatch):
+    calls, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape[1]) or mm(a, b))
+    x, weight, bias = torch.randn(1, 3, 24), torch.randn(40, 24), torch.randn(40)
+    out = skinny_linear(x, weight, bias, widths=[0, 0, 2, 0, 4])  # 3 rows: torch's own kernel
+    assert calls == [] and torch.equal(out, nn.functional.linear(x, weight, bias))
+    skinny_linear(torch.randn(2, 24), weight, widths=[0, 0, 2, 0, 4])
+    assert calls == [2]
 
 
 def test_width_costs_time_every_width_and_keep_the_best_repeat(monkeypatch):
@@ -166,19 +187,96 @@ def test_width_costs_time_every_width_and_keep_the_best_repeat(monkeypatch):
     assert seen[:4] == [((64, 24), (24, 1)), ((24, 64), (64, 1))] * 2 and seen[-1] == ((24, 64), (64, 5))
 
 
+def test_width_costs_of_torch_linear_time_that_kernel(monkeypatch):
+    seen, linear = [], nn.functional.linear
+    monkeypatch.setattr(torch, "mm", lambda a, b: pytest.fail("the stock pass ran the transposed GEMM"))
+    monkeypatch.setattr(nn.functional, "linear",
+                        lambda x, w: seen.append((tuple(x.shape), tuple(w.shape))) or linear(x, w))  # fmt: skip
+    cost = skinny_gemm.width_costs([torch.randn(64, 24)], 3, repeats=1, stock=True)
+    assert len(cost) == 4 and cost[0] == 0.0 and all(c > 0 for c in cost[1:])
+    assert seen == [((1, 24), (64, 24)), ((2, 24), (64, 24)), ((3, 24), (64, 24))]
+
+
 def test_tune_widths_on_real_weights_gives_valid_widths():
     widths = skinny_gemm.tune_widths([torch.randn(64, 24)], 5, repeats=1)
-    assert len(widths) == 6 and widths[0] == 0 and all(r <= w <= 5 for r, w in enumerate(widths) if r)
+    assert len(widths) == 6 and widths[0] == 0 and all(w == 0 or r <= w <= 5 for r, w in enumerate(widths) if r)
 
 
 def test_enable_with_tuning_hands_the_widths_to_every_linear(monkeypatch):
-    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows: [0, 2, 2, 4, 4][: rows + 1])
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows, pack: [0, 2, 2, 4, 4][: rows + 1])
     target = make_target("llama")
     enable_skinny_gemm(target, max_rows=8, tune_rows=4)
     forwards = [m.forward for m in target.modules() if type(m) is nn.Linear]
     assert forwards and all(f.args[2] == [0, 2, 2, 4, 4] for f in forwards)
     with pytest.raises(ValueError, match="tune_rows must be an int in"):
         enable_skinny_gemm(target, max_rows=8, tune_rows=9)
+
+
+def test_packed_widths_take_the_counts_a_pack_saves_most_on():
+    cost = [0.0] + [3.0] * 8  # transposed: 3 s at every width
+    stock = [0.0, 1.0, 1.1, 1.2, 5.0, 5.0, 5.0, 6.0, 6.0]  # torch's linear: cheap for 1-3 rows only
+    # a pack for 4 rows saves 2 x 1 s at 4; one for 8 saves 5 x 1 s at 4-8 (1-3 stay on torch's linear)
+    assert skinny_gemm.cheapest_widths(cost, 0.03, stock, {4: 2.0, 8: 2.0}) == [0, 0, 0, 0, -8, -8, -8, -8, -8]
+    assert skinny_gemm.cheapest_widths(cost, 0.03, stock, {8: 2.95}) == [0, 0, 0, 0, 4, 5, 6, 7, 8]  # within 3%
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_packed_gemm_gives_linear_result_and_a_stale_pack_is_not_used(rows):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40)
+    enable_skinny_gemm(layer)
+    layer.forward = functools.partial(skinny_gemm._skinny_forward, layer, 64, [0] + [-8] * 8)
+    layer._skinny_packed = skinny_gemm.PackedWeight(layer.weight, 8)
+    x = torch.randn(1, rows, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2.0)  # an in-place update (an optimizer step, load_state_dict): the pack is stale
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    out = layer(x)  # a gradient to track: torch's linear, which has one
+    assert out.requires_grad and torch.equal(out, nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@needs_packing
+def test_enable_packs_only_when_tuning_picks_the_packed_kernel_and_disable_drops_it(monkeypatch):
+    target = make_target("llama")
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows, pack: [0, 0, 0, -4, -4][: rows + 1])
+    enable_skinny_gemm(target, max_rows=8, tune_rows=4)
+    linears = [m for m in target.modules() if type(m) is nn.Linear]
+    assert all(m._skinny_packed.width == 4 for m in linears)
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows, pack: [0, 0, 2, 4, 4][: rows + 1])
+    enable_skinny_gemm(target, max_rows=8, tune_rows=4)  # re-tuned without the packed kernel: packs dropped
+    assert not any("_skinny_packed" in m.__dict__ for m in linears)
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows, pack: [0, 0, 0, -4, -4][: rows + 1])
+    enable_skinny_gemm(target, max_rows=8, tune_rows=4)
+    assert disable_skinny_gemm(target) == len(linears)
+    assert not any("_skinny_packed" in m.__dict__ or "forward" in m.__dict__ for m in linears)
+
+
+@needs_packing
+def test_packed_cost_times_a_pass_at_its_width():
+    assert skinny_gemm.packed_cost([torch.randn(64, 24), torch.randn(24, 64)], 8, repeats=1) > 0
+
+
+@needs_packing
+def test_greedy_stays_lossless_with_packed_verification(monkeypatch):
+    """Verification forwards of 2-5 rows through MKL's packed GEMM, target-only steps through torch's linear."""
+    monkeypatch.setattr(skinny_gemm, "tune_widths", lambda weights, rows, pack: [0, 0, -5, -5, -5, -5, 6, 7, 8])
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mode="corrected")
+    stock = [target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24) for i in range(4)]
+    enable_skinny_gemm(target, tune_rows=8), enable_skinny_gemm(drafter, tune_rows=8)
+    assert all(m._skinny_packed.width == 5 for m in target.modules() if type(m) is nn.Linear)
+    packed_rows, mkl_linear = [], torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear",
+                        lambda x, *args: packed_rows.append(len(x)) or mkl_linear(x, *args))  # fmt: skip
+    accepted = []
+    for i, expected in enumerate(stock):
+        got = target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"speculative output differs on prompt {i}"
+        accepted += drafter.last_generation_stats.acceptance_lengths
+    assert max(accepted) > 1, "no draft was ever accepted, so no packed verification was checked"
+    assert packed_rows and set(packed_rows) == {5}  # the packed kernel ran, at its width
 
 
 @pytest.mark.parametrize("mode, tune_rows", [("off", 0), ("corrected", 0), ("corrected", 8)])

@@ -13,6 +13,7 @@ Machines with the same CPU model name share a key but not a speed, so a loaded f
 timed target steps ([`time_target_step`]) and profiled again when it is off by more than `RESCALE_TOLERANCE`.
 """
 
+import functools
 import hashlib
 import logging
 import time
@@ -130,10 +131,14 @@ def _config_digest(config) -> str:
     return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
 
 
-def _rerouted_modules(model) -> int:
-    """Modules whose `forward` was replaced on the instance (skinny GEMM routing, accelerate hooks): they change what
-    a step costs, so a profile taken without them is not this model's."""
-    return sum("forward" in module.__dict__ for module in model.modules())
+def _rerouted_modules(model) -> str:
+    """Modules whose `forward` was replaced on the instance (skinny GEMM routing, accelerate hooks), and a digest of
+    the settings bound into those forwards (the skinny GEMM's kernel per row count, tuned on this host): they change
+    what a step costs, so a profile taken without them, or with other settings, is not this model's."""
+    forwards = [module.__dict__["forward"] for module in model.modules() if "forward" in module.__dict__]
+    bound = sorted({repr(f.args[1:]) for f in forwards if isinstance(f, functools.partial)})
+    digest = hashlib.sha256("|".join(bound).encode()).hexdigest()[:8] if bound else "-"
+    return f"{len(forwards)}/{digest}"
 
 
 def transformers_host_key(target, drafter) -> HostKey:
@@ -142,7 +147,8 @@ def transformers_host_key(target, drafter) -> HostKey:
     name = getattr(target.config, "_name_or_path", "") or type(target).__name__
     target_id = f"{name}:{_config_digest(target.config)}"
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-    extra = f"drafter:{_config_digest(drafter.config)}:rerouted:{_rerouted_modules(target)},{_rerouted_modules(drafter)}"
+    rerouted = f"{_rerouted_modules(target)},{_rerouted_modules(drafter)}"
+    extra = f"drafter:{_config_digest(drafter.config)}:rerouted:{rerouted}"
     return host_key("transformers", target_id, dtype, torch.get_num_threads(), compiled=False, extra=extra)
 
 
