@@ -219,6 +219,7 @@ class HfEngine:
         from hf_retrace.bench.methods import Method
         from hf_retrace.bench.methods import MethodSpec as BenchSpec
         from hf_retrace.bench.run import load_target
+        from hf_retrace.cpu_attention import enable_masked_gqa_sdpa
         from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm, enable_skinny_gemm_where_it_pays
 
         torch.set_num_threads(threads)
@@ -229,6 +230,7 @@ class HfEngine:
             kind = "drafter" if spec.kind == "drafter" else "ar"
             self.methods[spec.name] = Method(BenchSpec(spec.name, kind, spec.card), torch.float32, "cpu")
         enable_skinny_gemm_where_it_pays(self.target, DEFAULT_TUNE_ROWS, "target")
+        enable_masked_gqa_sdpa(self.target, "target")  # verification forwards: no copies of the K/V heads
         for method in self.methods.values():
             if method.drafter is not None:
                 enable_skinny_gemm(method.drafter, tune_rows=DEFAULT_TUNE_ROWS)

@@ -54,6 +54,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..cli import UsageError, check_exists, exits_on_usage_error
 from ..data.prompts import EVAL_SEED_OFFSET, PROMPT_SETS, SPLIT_SETS, load_prompts
+from ..cpu_attention import enable_masked_gqa_sdpa
 from ..skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm, enable_skinny_gemm_where_it_pays
 from .methods import Generation, Method, parse_methods
 from .report import add_logit_gaps, check_lossless, render_markdown, summarize, write_outputs
@@ -161,8 +162,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (1 avoids oversubscription)")
     parser.add_argument(
         "--skinny-gemm", action=argparse.BooleanOptionalAction, default=True,
-        help="few-row fp32 CPU linears as a transposed GEMM (hf_retrace.skinny_gemm), in the target and every drafter,"
-             " so every method, `ar` included, runs the same kernels; row counts up to 24 padded to tuned widths."
+        help="few-row fp32 CPU linears on the kernel tuned fastest per row count (hf_retrace.skinny_gemm: torch's,"
+             " transposed or MKL-packed), in the target and every drafter, and masked GQA attention in the target"
+             " (hf_retrace.cpu_attention), so every method, `ar` included, runs the same kernels."
              " On by default, as in examples/01_generate.py; skipped with a note for bf16 or a GPU, where it does not"
              " pay",
     )  # fmt: skip
@@ -235,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     # the same kernels for every method, `ar` included, or none, so speedups compare like with like; the drafters
     # have the target's dtype and device, so the target decides (a bf16 or GPU run logs why it is skipped)
     skinny_gemm = args.skinny_gemm and enable_skinny_gemm_where_it_pays(target, DEFAULT_TUNE_ROWS, "target") > 0
+    if skinny_gemm:  # and the verification forwards' masked attention on the K/V heads (hf_retrace/cpu_attention.py)
+        enable_masked_gqa_sdpa(target, "target")
     for method in methods if skinny_gemm else []:
         if method.drafter is not None:
             enable_skinny_gemm(method.drafter, tune_rows=DEFAULT_TUNE_ROWS)
