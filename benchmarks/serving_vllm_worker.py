@@ -13,8 +13,9 @@ on stdin, one reply line on stdout:
     {"cmd": "quit"} -> {"bye": true}, then exit
 
 `cache_salt` (optional): a string that keeps the call's prompts from reusing the prefix cache of earlier calls (the
-bench's prefill-only pass re-reads the prompts it just timed). `sampling`: null for greedy, or `{"temperature": t, "seeds": [one per prompt]}` (plain temperature sampling: no
-top-k, no top-p; each request seeded, so a rerun draws the same).
+bench's prefill-only pass re-reads the prompts it just timed). `sampling`: null for greedy, or `{"temperature": t,
+"seeds": [one per prompt]}` (plain temperature sampling: no top-k, no top-p; each request seeded, so a rerun draws
+the same).
 
 All prompts of one `generate` are submitted at once and stepped to completion: all of them run together, or with
 `--max-num-seqs C` C at a time, the rest queued (vLLM starts a queued request when a running one finishes).
