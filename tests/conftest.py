@@ -110,6 +110,18 @@ def lossless_call_with(max_new_tokens: int, **setting):
     return drafter, again
 
 
+def assert_greedy_matches(target, drafter, references: list, label: str = "") -> None:
+    """Speculative greedy on `random_prompt(5, seed=i)` equals `references[i]` (the target's own greedy output, taken
+    before the kernels or the attention under test were switched on), and some draft was accepted, so that
+    multi-row verification forwards were checked."""
+    accepted = []
+    for i, expected in enumerate(references):
+        got = target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24, assistant_model=drafter)
+        assert got.tolist() == expected.tolist(), f"{label}: speculative output differs on prompt {i}"
+        accepted += drafter.last_generation_stats.acceptance_lengths
+    assert max(accepted) > 1, "no draft was ever accepted, so no multi-row verification was checked"
+
+
 @pytest.fixture
 def tiny_target():
     return make_target("qwen3")

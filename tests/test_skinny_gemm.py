@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hf_retrace.skinny_gemm as skinny_gemm
-from conftest import make_drafter, make_target, random_prompt
+from conftest import assert_greedy_matches, make_drafter, make_target, random_prompt
 from hf_retrace.skinny_gemm import (
     disable_skinny_gemm,
     enable_skinny_gemm,
@@ -270,12 +270,7 @@ def test_greedy_stays_lossless_with_packed_verification(monkeypatch):
     packed_rows, mkl_linear = [], torch.ops.mkl._mkl_linear
     monkeypatch.setattr(torch.ops.mkl, "_mkl_linear",
                         lambda x, *args: packed_rows.append(len(x)) or mkl_linear(x, *args))  # fmt: skip
-    accepted = []
-    for i, expected in enumerate(stock):
-        got = target.generate(random_prompt(5, seed=i), do_sample=False, max_new_tokens=24, assistant_model=drafter)
-        assert got.tolist() == expected.tolist(), f"speculative output differs on prompt {i}"
-        accepted += drafter.last_generation_stats.acceptance_lengths
-    assert max(accepted) > 1, "no draft was ever accepted, so no packed verification was checked"
+    assert_greedy_matches(target, drafter, stock, "packed")
     assert packed_rows and set(packed_rows) == {5}  # the packed kernel ran, at its width
 
 
