@@ -8,7 +8,8 @@ each row count is timed `--repeats` times (median), the cache cropped back after
 one run, each in a fresh process so the attention switch (an environment variable) is its own: torch's kernels;
 the tuned few-row kernels (`hf_retrace.skinny_gemm`); those plus masked GQA attention (`hf_retrace.cpu_attention`).
 Prints ms per forward and the tuned kernel per row count (`0`: torch's linear, `w`: transposed at width `w`, `-P`:
-MKL-packed for `P` rows).
+MKL-packed for `P` rows), then what the tuning weighs: ms of one pass over the target's linears per kernel and rows
+(best of 3; the packed kernel at its pack widths only).
 """
 
 import argparse
@@ -30,12 +31,19 @@ def measure(setting: str, context: int, rows: list[int], repeats: int) -> dict:
     from hf_retrace.cpu_attention import enable_masked_gqa_sdpa
     from hf_retrace.data.assets import ensure_default_target
     from hf_retrace.data.prompts import EVAL_SEED_OFFSET, load_prompts
-    from hf_retrace.skinny_gemm import DEFAULT_TUNE_ROWS, enable_skinny_gemm_where_it_pays
+    from hf_retrace.skinny_gemm import (
+        DEFAULT_TUNE_ROWS, PACK_WIDTHS, enable_skinny_gemm_where_it_pays, packed_cost, packing_available, width_costs,
+    )  # fmt: skip
 
     torch.set_num_threads(2)
     target, tokenizer = load_target(str(ensure_default_target()), torch.float32, "cpu")
-    widths = None
-    if setting != "stock":
+    widths, passes = None, None
+    if setting == "stock":  # the tuning's own timings, before any routing
+        weights = [m.weight for m in target.modules() if type(m) is torch.nn.Linear]
+        passes = {"linear": width_costs(weights, 16, 3, stock=True), "transposed": width_costs(weights, 16, 3)}
+        if packing_available():
+            passes["packed"] = {w: packed_cost(weights, w, 3) for w in PACK_WIDTHS}
+    else:
         enable_skinny_gemm_where_it_pays(target, DEFAULT_TUNE_ROWS, "target")
         widths = next(m.forward.args[2] for m in target.modules() if "forward" in m.__dict__)
     if setting == "skinny+gqa":
@@ -60,7 +68,7 @@ def measure(setting: str, context: int, rows: list[int], repeats: int) -> dict:
                     seconds.append(time.perf_counter() - start)
                 cache.crop(-r)
             result[r] = 1e3 * statistics.median(seconds)
-    return {"ms": result, "widths": widths}
+    return {"ms": result, "widths": widths, "passes": passes}
 
 
 def main() -> None:
@@ -86,6 +94,15 @@ def main() -> None:
     for r in rows:
         print(f"| {r} | " + " | ".join(f"{results[s]['ms'][str(r)]:.1f}" for s in SETTINGS) + " |")
     print(f"\ntuned kernel per row count 0..{len(results['skinny']['widths']) - 1}: {results['skinny']['widths']}")
+    passes = results["stock"]["passes"]
+    packed = {int(w): s for w, s in passes.get("packed", {}).items()}
+    print("\none pass over the target's linears, ms (best of 3)\n\n| rows | linear | transposed | packed for rows |")
+    print("|---:|---:|---:|---:|")
+    for r in range(1, len(passes["linear"])):
+        cell = f"{packed[r] * 1e3:.1f}" if r in packed else ""
+        print(f"| {r} | {passes['linear'][r] * 1e3:.1f} | {passes['transposed'][r] * 1e3:.1f} | {cell} |")
+    for w in sorted(w for w in packed if w >= len(passes["linear"])):
+        print(f"| {w} | | | {packed[w] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ pass over the model's own weights at every width up to `tune_rows` and zero-pads
 width at or above it ([`tune_widths`]); the padded rows' outputs are dropped.
 
 Which kernel wins depends on the CPU. On an AVX-512 host torch's own `linear` is the fast one for 1 to 3 rows
-(SmolLM2-135M's linears: 22-24 ms a pass, against 30-46 ms transposed) and the slow one from 4 rows on (50-102 ms
-against ~45 ms). So the tuning also times torch's `linear` at each row count and keeps it where it is cheapest
+(SmolLM2-135M's linears: 21-24 ms a pass, against 22-44 ms transposed) and the slow one from 4 rows on (48-100 ms
+against ~44 ms; `benchmarks/verification_rows.py`). So the tuning also times torch's `linear` at each row count and keeps it where it is cheapest
 (`widths[r] = 0`).
 
 A third kernel is MKL's packed GEMM, the one torch's inductor uses for frozen fp32 CPU linears
 (`torch.ops.mkl._mkl_reorder_linear_weight` packs a weight once for `P` rows, `torch.ops.mkl._mkl_linear` runs it).
-On the AVX-512 host a pass packed for 12 rows costs ~31 ms for any 4 to 12 rows, against ~45 ms transposed and
-50-74 ms through `linear`. The tuning times it at a few pack widths and, where it is the cheapest, pads those row
+On the AVX-512 host a pass packed for 8, 12 or 16 rows costs 27, 31 or 35 ms, against ~44 ms transposed and
+48-100 ms through `linear`. The tuning times it at a few pack widths and, where it is the cheapest, pads those row
 counts to the chosen `P` (`widths[r] = -P`); the packed copies cost about twice the weights' memory, so models whose
 routed weights exceed `PACK_MAX_BYTES` are not packed. A packed copy is used only while its weight is unchanged
 (the weight's in-place version counter, which `optimizer.step()` and `load_state_dict` advance) and no gradient is
@@ -81,7 +81,7 @@ def skinny_linear(
             `linear` is the cheaper kernel for `r` rows, or `-P` where MKL's packed GEMM is (the rows zero-padded
             to `P`, `packed` the weight packed for `P` rows) ([`tune_widths`]); counts beyond the list are not
             padded. `None`: one row is padded to two, other counts are not.
-        packed: `weight` packed by [`pack_weight`]; without it (or once `weight` changed) `-P` runs torch's `linear`.
+        packed: `weight` packed by [`PackedWeight`]; without it (or once `weight` changed) `-P` runs torch's `linear`.
 
     Returns:
         `[..., out_features]`, contiguous.
@@ -275,19 +275,25 @@ def width_costs(weights: list[torch.Tensor], max_rows: int, repeats: int = 2, st
     of `repeats`; `[0]` is 0); with `stock`, of torch's own `linear` over that many rows instead. One pass reads every
     weight once, as a forward does, so caches are as cold as there."""
     inputs = {weight.shape[1]: torch.zeros(max_rows, weight.shape[1]) for weight in weights}
-    cost = [0.0] * (max_rows + 1)
-    for width in range(1, max_rows + 1):
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for weight in weights:
-                if stock:
-                    nn.functional.linear(inputs[weight.shape[1]][:width], weight)
-                else:
-                    torch.mm(weight, inputs[weight.shape[1]][:width].t())
-            best = min(best, time.perf_counter() - start)
-        cost[width] = best
-    return cost
+
+    def one_pass(width: int) -> None:
+        for weight in weights:
+            if stock:
+                nn.functional.linear(inputs[weight.shape[1]][:width], weight)
+            else:
+                torch.mm(weight, inputs[weight.shape[1]][:width].t())
+
+    return [0.0] + [_best_seconds(lambda: one_pass(width), repeats) for width in range(1, max_rows + 1)]
+
+
+def _best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run()`, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @torch.no_grad()
@@ -296,13 +302,12 @@ def packed_cost(weights: list[torch.Tensor], width: int, repeats: int = 2) -> fl
     `repeats`). The packs are dropped after."""
     packs = [PackedWeight(weight, width) for weight in weights]
     inputs = {weight.shape[1]: torch.zeros(width, weight.shape[1]) for weight in weights}
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def one_pass() -> None:
         for weight, pack in zip(weights, packs):
             torch.ops.mkl._mkl_linear(inputs[weight.shape[1]], pack.data, weight, None, width)
-        best = min(best, time.perf_counter() - start)
-    return best
+
+    return _best_seconds(one_pass, repeats)
 
 
 def disable_skinny_gemm(model: nn.Module) -> int:
