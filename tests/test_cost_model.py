@@ -275,3 +275,48 @@ def test_context_costs_are_saved_and_an_older_file_reads_as_none(tmp_path):
         StepCostModel.load(tmp_path / "bad.json", key)
     with pytest.raises(ValueError, match="context must be"):
         StepCostModel.fit([(1, 0.02)], [(16, 0.005)], context=(1e-7,))
+
+
+def _two_kinds_of_rows(model, per_request, per_verified, steps=400, seed=0):
+    """Decode steps of 8 to 32 requests verifying 0 to 64 rows, timed as `20 ms + per_request * n +
+    per_verified * V` (no context cost): a request's own row costs more than a verified one, as in vLLM."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        n, verified = int(rng.integers(8, 33)), int(rng.integers(0, 65))
+        seconds = 0.02 + per_request * n + per_verified * verified + rng.normal(0.0, 1e-4)
+        model.observe(n + verified, 0, seconds, None, 0, 0, (n, verified))
+
+
+def test_verified_rows_are_priced_apart_from_the_requests_rows():
+    """One curve over all rows, learned from steps of many requests and few verified rows and the reverse, prices a
+    verified row between knots at neither cost; the least squares of the context terms finds each, and a verified row
+    is priced at least at its own."""
+    model = StepCostModel(CostCurve([1, 8, 32, 64, 128], [0.025, 0.04, 0.07, 0.12, 0.2]), CostCurve([16], [0.01]))
+    assert model.verified_row == 0.0
+    _two_kinds_of_rows(model, per_request=2.5e-3, per_verified=1.2e-3)
+    assert model.verified_row == pytest.approx(1.2e-3, rel=0.05)
+    assert model.marginal_row_cost(32) >= model.verified_row
+    n, verified = 32, 20  # a step priced with its 32 requests' rows apart: at least 1.2 ms a verified row
+    floor = model.target_seconds(n) + 1.2e-3 * verified
+    assert model.step_seconds(n + verified, 0, base_rows=n) >= floor * 0.95
+    assert model.step_seconds(n + verified, 0, base_rows=n) >= model.step_seconds(n + verified, 0)
+
+
+def test_without_a_fit_verified_rows_cost_the_curves_slope_exactly():
+    model = _model()
+    for rows, base in [(8, 1), (3, 3), (20, 8)]:
+        assert model.step_seconds(rows, 16, 0, 0, base_rows=base) == model.step_seconds(rows, 16)
+    assert model.marginal_row_cost(1) == pytest.approx(0.0028)
+    with pytest.raises(ValueError, match="context costs must be finite numbers >= 0"):
+        _model(verified_row=-1e-3)
+
+
+def test_the_verified_row_cost_is_saved_and_an_older_file_reads_as_none(tmp_path):
+    key = host_key("vllm", "t", "float32", 2, True)
+    model = StepCostModel.fit([(1, 0.02), (8, 0.04)], [(16, 0.005)], verified_row=1.1e-3)
+    model.save(tmp_path / "m.json", key)
+    assert StepCostModel.load(tmp_path / "m.json", key).verified_row == pytest.approx(1.1e-3)
+    payload = json.loads((tmp_path / "m.json").read_text())
+    del payload["verified_row"]
+    (tmp_path / "old.json").write_text(json.dumps(payload))
+    assert StepCostModel.load(tmp_path / "old.json", key).verified_row == 0.0

@@ -96,6 +96,12 @@ class StepBatch:
                 prefill += end - start
         return n, other, prefill
 
+    def num_verifying(self, max_query_rows: int) -> int:
+        """Decoding requests (at most `max_query_rows` rows) that verify at least one proposed token (two rows or
+        more)."""
+        rows = (end - start for start, end in zip(self.query_start[:-1], self.query_start[1:]))
+        return sum(1 for r in rows if 1 < r <= max_query_rows)
+
 
 def read_step_batch(
     input_batch, cad, target_token_ids, target_positions, next_token_ids, num_rejected_tokens_gpu

@@ -346,7 +346,9 @@ class ReTraceDFlashProposer(DFlashProposer):
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         if self.step_log.enabled:
             predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context))
-            self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted)
+            verifying = step.num_verifying(1 + self.max_verified)
+            self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted, self._step_committed,
+                                verifying)  # fmt: skip
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:

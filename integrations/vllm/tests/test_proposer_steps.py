@@ -9,7 +9,7 @@ import pytest
 from test_lossless_random import write_drafter
 
 from conftest import close_llm, greedy, make_llm
-from hf_retrace_vllm import STATS_ENV, patches, profile
+from hf_retrace_vllm import STATS_ENV, patches, profile, steps
 
 
 BLOCK = 16  # the random drafter's block_size
@@ -65,17 +65,19 @@ def test_profile_rounds_visit_every_size_in_turn_and_drop_a_spike():
 @pytest.fixture(scope="module")
 def engine_run(target, tmp_path_factory, monkeypatch_module):
     """One short generation in an in-process engine (so the proposer is reachable) with a random drafter:
-    `(proposer, stats)`."""
+    `(proposer, stats, step log lines)`."""
     root = tmp_path_factory.mktemp("steps")
     write_drafter(root / "drafter", plain=False)
     monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch_module.setenv(STATS_ENV, str(root / "stats.json"))
     monkeypatch_module.setenv(profile.PROFILE_ENV, "1")
+    monkeypatch_module.setenv(steps.STEP_LOG_ENV, str(root / "steps.jsonl"))
     llm = make_llm(target, {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": 3})
     try:
         greedy(llm, max_tokens=24)
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        return runner.drafter, json.loads((root / "stats.json").read_text())
+        lines = [json.loads(line) for line in (root / "steps.jsonl").read_text().splitlines()]
+        return runner.drafter, json.loads((root / "stats.json").read_text()), lines
     finally:
         close_llm(llm)
 
@@ -87,7 +89,7 @@ def monkeypatch_module():
 
 
 def test_step_records_are_sane(engine_run):
-    proposer, stats = engine_run
+    proposer, stats, _ = engine_run
     records = list(proposer.step_records)
     assert proposer.last_step is records[-1] and len(records) == stats["steps"] > 10
     assert records[0].engine_seconds is None and all(r.engine_seconds > 0 for r in records[1:])
@@ -104,6 +106,22 @@ def test_step_records_are_sane(engine_run):
     assert stats["timings"]["engine"] == pytest.approx(sum(r.engine_seconds for r in records[1:]))
 
 
+def test_step_log_lines_add_up(engine_run):
+    """`HF_RETRACE_VLLM_STEP_LOG`: a line a step after the first, whose commits, verifying requests and proposer parts
+    agree with its rows."""
+    proposer, _, lines = engine_run
+    assert len(lines) == len(proposer.step_records) - 1
+    decode = [line for line in lines if line["prefill_rows"] == 0]
+    assert decode and any(line["verified"] for line in decode)
+    for line in decode:
+        assert line["rows"] == line["decoding"] + line["verified"]
+        assert line["decoding"] <= line["committed"] <= line["decoding"] + line["verified"]
+        assert line["verifying"] <= min(line["decoding"], line["verified"])
+        assert (line["verifying"] > 0) == (line["verified"] > 0)
+    for line in lines:
+        assert 0 <= line["policy_s"] + line["context_kv_s"] <= line["propose_s"] <= line["target_s"] + line["drafter_s"]
+
+
 def _grows(samples) -> bool:
     """The largest size costs more than the smallest (128 rows or 16 blocks against 1). Neighbouring sizes are not
     compared: one timed round per size, and a load spike on a shared host can make 1 row slower than 2; the cost
@@ -113,7 +131,7 @@ def _grows(samples) -> bool:
 
 
 def test_startup_profile_grows_with_rows_and_slots(engine_run):
-    proposer, _ = engine_run
+    proposer, _, _ = engine_run
     result = proposer.startup_profile
     assert result is not None, "no start-up profile after vLLM's warm-up"
     assert [r for r, _ in result.target] == list(profile.TARGET_ROWS)
