@@ -250,16 +250,3 @@ def test_a_long_request_verifies_fewer_tokens_when_its_rows_read_its_context():
     short, long = counts((0.0, 2e-7))  # a row of 8,000 tokens: 1.6 ms more
     assert short > long > 0
     assert counts((0.0, 0.0)) == counts((2e-7, 0.0)) == [short, short]
-
-
-def test_rows_priced_at_their_fitted_cost_verify_fewer_tokens_with_many_running():
-    """32 running on a curve whose slope between knots is 0.6 ms a row, while verified rows cost 1.5 ms
-    (`verified_row`, what the engine's least squares finds): at p = 0.4 a verified token pays on the slope
-    (0.4 / 0.6 ms > 32 / 63 ms) and not at its own cost (0.4 / 1.5 ms < 32 / 63 ms)."""
-    target = CostCurve([1, 32, 64], [0.02, 0.063, 0.0822])
-    estimator = FixedEstimator(lookup=0.4)
-    slope_only = _plan(_lookups(32, k=1), estimator, StepCostModel(target, CostCurve([16], [0.004])))
-    fitted = _plan(_lookups(32, k=1), estimator, StepCostModel(target, CostCurve([16], [0.004]), verified_row=1.5e-3))
-    assert sum(r.num_verified for r in slope_only.requests) == 32
-    assert sum(r.num_verified for r in fitted.requests) == 0
-    assert fitted.expected_seconds == pytest.approx(0.063)

@@ -242,11 +242,10 @@ def measure(run, sizes, repeats: int = 3, warmup: int = 1) -> list[tuple[int, fl
 
 
 def fit_context_terms(requests, verified, first_rows_context, other_rows_context, seconds) -> tuple:
-    """`(a, c, r2, r2_rows_only, b2)`: least squares of decode steps' target `seconds` (arrays of shape `(steps,)`)
-    as `b0 + b1 * requests + b2 * verified + a * K + c * X`, beside the rows-only fit's R^2. A term the data make
+    """`(a, c, r2, r2_rows_only)`: least squares of decode steps' target `seconds` (arrays of shape `(steps,)`) as
+    `b0 + b1 * requests + b2 * verified + a * K + c * X`, beside the rows-only fit's R^2. A term the data make
     negative is dropped and the other refitted: a context never makes a step faster. Columns that never vary (batch
-    1: one request a step) are fine; least squares takes the smallest solution. `b2` (clipped at 0) is what a
-    verified row costs beyond its context, apart from what a request's own row costs (`b1`).
+    1: one request a step) are fine; least squares takes the smallest solution.
 
     Raises:
         ValueError: fewer than `MIN_FIT_STEPS` steps.
@@ -269,7 +268,7 @@ def fit_context_terms(requests, verified, first_rows_context, other_rows_context
         terms = dict(zip(keep, coef[3:]))
         negative = [k for k, v in terms.items() if v < 0]
         if not negative:
-            return float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows, max(float(coef[2]), 0.0)
+            return float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows
         keep = [k for k in keep if k != min(negative, key=terms.get)]
 
 
@@ -312,14 +311,6 @@ class StepCostModel:
     the level with the knots (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
     `t(R + 1) - t(R) + c * L`: a long request pays more for its drafts than a short one.
 
-    `t(R)` is one curve over all rows, but a step's rows are of two kinds: each request's first row (its context read,
-    its sampling, the engine's per-request work) and the verified rows. Its knots learn from steps of many requests
-    and few verified rows as from steps of few requests and many, so between two knots the slope can price a
-    verified row at a fraction of its cost (with 32 requests running, vLLM's knots gave 0.6 ms a verified row where
-    the steps' least squares gave 0.9 ms and controlled steps 1.1 to 1.4 ms). The same least squares that fits `(a, c)`
-    gives `b2`, the cost of a verified row apart from a request's; `verified_row` keeps it, and verification is
-    priced at least that much a row (`step_seconds(..., base_rows=...)`, [`StepCostModel.marginal_row_cost`]).
-
     Args:
         target (`CostCurve`): `t(R)`.
         drafter (`CostCurve`): `d(S)`; `d(0) = 0` (no drafter forward).
@@ -334,8 +325,6 @@ class StepCostModel:
             `refit_every` of them, `(a, c)` are refitted by least squares on the last `context_window` (see
             [`StepCostModel.observe`]); 0 keeps them at their given values.
         refit_every (`int`, *optional*, defaults to 16): decode steps between two fits.
-        verified_row (`float`, *optional*, defaults to 0): `b2`, seconds a verified row costs at least (beyond `c * L`),
-            set by each fit of the context terms; 0 leaves the pricing to `t(R)`'s slope alone.
 
     Example:
     ```python
@@ -352,12 +341,10 @@ class StepCostModel:
     max_change: float = 0.5
     context_window: int = 512
     refit_every: int = 16
-    verified_row: float = 0.0
     num_observed: int = field(default=0, compare=False)
 
     def __post_init__(self):
         self.context = tuple(_context(v) for v in self.context)
-        self.verified_row = _context(self.verified_row)
         if len(self.context) != 2:
             raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
                              f"{self.context}")  # fmt: skip
@@ -392,25 +379,15 @@ class StepCostModel:
         the requests' first rows and `X` of their other rows."""
         return self.context[0] * first_rows_context + self.context[1] * other_rows_context
 
-    def step_seconds(self, rows, slots, first_rows_context=0, other_rows_context=0,
-                     base_rows=None) -> np.ndarray | float:  # fmt: skip
-        """`t(rows) + a * K + c * X + d(slots)`. With `base_rows` (the rows that are not verified tokens: one per
-        request, and prefill rows), the verified rows `rows - base_rows` cost at least `verified_row` each:
-        `max(t(rows), t(base_rows) + verified_row * (rows - base_rows))` (exactly `t(rows)` while `verified_row` is
-        0)."""
+    def step_seconds(self, rows, slots, first_rows_context=0, other_rows_context=0) -> np.ndarray | float:
+        """`t(rows) + a * K + c * X + d(slots)`."""
         context = self.context_seconds(first_rows_context, other_rows_context)
-        target = self.target(rows)
-        if base_rows is not None and self.verified_row > 0:
-            floor = self.target(base_rows) + self.verified_row * (np.asarray(rows, np.float64) - base_rows)
-            target = np.maximum(target, floor)
-            target = float(target) if np.ndim(target) == 0 else target
-        return target + context + self.drafter(slots)
+        return self.target(rows) + context + self.drafter(slots)
 
     def marginal_row_cost(self, rows: int, context_tokens: int = 0) -> float:
-        """`max(t(rows + 1) - t(rows), verified_row) + c * context_tokens`: what one more verified row, of a request
-        with `context_tokens` tokens, costs in a step of `rows` rows."""
-        slope = float(self.target(rows + 1) - self.target(rows))
-        return max(slope, self.verified_row) + self.context[1] * context_tokens
+        """`t(rows + 1) - t(rows) + c * context_tokens`: what one more verified row, of a request with
+        `context_tokens` tokens, costs in a step of `rows` rows."""
+        return float(self.target(rows + 1) - self.target(rows)) + self.context[1] * context_tokens
 
     def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None,
                 first_rows_context: int = 0, other_rows_context: int = 0,
@@ -448,14 +425,13 @@ class StepCostModel:
         degenerate window) is not taken."""
         steps = self._steps[: min(self._num_steps, self.context_window)]
         requests, verified, first, other, seconds = steps.T
-        a, c, r2, r2_rows, per_verified = fit_context_terms(requests, verified, first, other, seconds)
+        a, c, r2, r2_rows = fit_context_terms(requests, verified, first, other, seconds)
         if a * first.mean() + c * other.mean() > seconds.mean():
             return
         change = (a - self.context[0], c - self.context[1])
         rows = requests + verified  # a decode step's rows: each request's first, then its verified tokens
         self.target.seconds = knots_less_context(self.target, rows, first, other, *change).seconds  # in place
         self.context = (a, c)
-        self.verified_row = per_verified
         self.fits += 1
         self.fit_r2 = (r2, r2_rows)
 
@@ -464,8 +440,7 @@ class StepCostModel:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"format": FORMAT, "version": VERSION, "key": asdict(key), "target": self.target.to_list(),
-                   "drafter": self.drafter.to_list(), "context": [float(v) for v in self.context],
-                   "verified_row": float(self.verified_row)}  # fmt: skip
+                   "drafter": self.drafter.to_list(), "context": [float(v) for v in self.context]}  # fmt: skip
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, path)
@@ -492,8 +467,7 @@ class StepCostModel:
             return None
         try:
             return cls(_curve(payload["target"], path), _curve(payload["drafter"], path),
-                       _context_pair(payload.get("context", [0.0, 0.0])),
-                       verified_row=payload.get("verified_row", 0.0), **kwargs)  # fmt: skip
+                       _context_pair(payload.get("context", [0.0, 0.0])), **kwargs)  # fmt: skip
         except ValueError as error:
             raise ValueError(f"{path} is not a valid step-cost file: {error}") from error
 

@@ -64,7 +64,7 @@ def fit_context_terms(steps: list[dict]) -> ContextFit:
     if len(decode) < MIN_FIT_STEPS:
         raise ValueError(f"the log has {len(decode)} decode steps, a fit needs {MIN_FIT_STEPS}: log a longer run")
     columns = np.array([[s["decoding"], s["verified"], *s["context"], s["target_s"]] for s in decode], np.float64)
-    first, other, r2, r2_rows, _ = cost_fit(*columns.T)
+    first, other, r2, r2_rows = cost_fit(*columns.T)
     return ContextFit(first, other, r2, r2_rows, len(decode))
 
 
