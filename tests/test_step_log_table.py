@@ -1,0 +1,53 @@
+"""`benchmarks/diagnostics/step_log_table.py`: a vLLM step log's decode steps by (verifying, verified), and its
+prompt groups apart, on a small synthetic log."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "step_log_table.py"
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("step_log_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(decoding, verified, prefill=0, verifying=None, target_s=0.1, propose_s=0.01, committed=None):
+    verifying = min(decoding, verified) if verifying is None else verifying
+    return {"rows": decoding + verified + prefill, "requests": decoding + (prefill > 0), "decoding": decoding,
+            "verified": verified, "prefill_rows": prefill, "context": [0, 0], "slots": 0, "target_s": target_s,
+            "drafter_s": 0.0, "predicted_s": 0.0, "committed": decoding if committed is None else committed,
+            "verifying": verifying, "policy_s": 0.005, "context_kv_s": 0.001, "propose_s": propose_s}  # fmt: skip
+
+
+def _log(tmp_path):
+    group = [_step(1, 0, prefill=300), _step(32, 0, target_s=0.09), _step(32, 16, target_s=0.12, committed=40),
+             _step(32, 16, target_s=0.13, committed=36), _step(31, 4, prefill=200, target_s=0.3)]  # fmt: skip
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in group + group))
+    return path
+
+
+def test_groups_start_at_a_prefill_with_few_decoding(table, tmp_path):
+    steps = table.read(str(_log(tmp_path)))
+    groups = table.split_groups(steps)
+    assert [len(g) for g in groups] == [5, 5]
+
+
+def test_tables_sum_the_decode_steps(table, tmp_path, capsys):
+    steps = table.read(str(_log(tmp_path)))
+    table.by_rows(steps, min_decoding=30)
+    rows = capsys.readouterr().out.splitlines()
+    assert "| 0 | 0 | 2 | 80.0 | 80.0 |" in rows  # 90 ms less the proposer's 10
+    assert "| 16 | 16 | 4 | 115.0 | 115.0 |" in rows
+    table.by_group(steps, min_decoding=30)
+    out = capsys.readouterr().out
+    # a group: 5 steps, 0.74 s; 3 decode steps of 32 requests, 32 verified rows, 12 accepted, 340 ms for 108 tokens
+    assert "| 0 | 5 | 0.7 | 3 | 32.0 | 32 | 12 | 3.15 |" in out.splitlines()
