@@ -30,8 +30,8 @@ width at or above it ([`tune_widths`]); the padded rows' outputs are dropped.
 
 Which kernel wins depends on the CPU. On an AVX-512 host torch's own `linear` is the fast one for 1 to 3 rows
 (SmolLM2-135M's linears: 21-24 ms a pass, against 22-44 ms transposed) and the slow one from 4 rows on (48-100 ms
-against ~44 ms; `benchmarks/verification_rows.py`). So the tuning also times torch's `linear` at each row count and keeps it where it is cheapest
-(`widths[r] = 0`).
+against ~44 ms; `benchmarks/verification_rows.py`). So the tuning also times torch's `linear` at each row count and
+keeps it where it is cheapest (`widths[r] = 0`).
 
 A third kernel is MKL's packed GEMM, the one torch's inductor uses for frozen fp32 CPU linears
 (`torch.ops.mkl._mkl_reorder_linear_weight` packs a weight once for `P` rows, `torch.ops.mkl._mkl_linear` runs it).

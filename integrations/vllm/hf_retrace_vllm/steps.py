@@ -173,8 +173,8 @@ class StepLog:
     first), `prefill_rows` (the other requests' rows), `context` (`[K, X]`), `slots` (`S`), `target_s`, `drafter_s`
     (the parts the model learns from, `costs.step_costs`), `predicted_s` (the model's `t(R) + a K + c X` before
     it learned from the step), `committed` (tokens the step committed over its requests), `verifying` (decoding
-    requests that verified at least one proposed token), and the proposer's own
-    parts of `target_s`: `policy_s`, `context_kv_s` and `propose_s` (the whole `propose()`, the drafter included).
+    requests that verified at least one proposed token), and the proposer's own parts of `target_s`: `policy_s`,
+    `context_kv_s` and `propose_s` (the whole `propose()`, the drafter included).
     """
 
     def __init__(self, path: str | None = None):
