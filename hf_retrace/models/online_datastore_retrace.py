@@ -75,11 +75,12 @@ class _NgramIndex:
 
     def add(self, tokens, start: int) -> None:
         """Indexes the continuations `tokens[i]` for `i >= start` (each after the n-grams ending at `i - 1`)."""
+        longest = self.sizes[-1]
         for i in range(max(start, self.sizes.start), len(tokens)):
-            token = tokens[i]
+            token, window = tokens[i], tuple(tokens[max(i - longest, 0) : i])  # the n-gram of size n is window[-n:]
             for n in self.sizes:
                 if n <= i:
-                    self._increment(self.tables[n], hash(tuple(tokens[i - n : i])), token)
+                    self._increment(self.tables[n], hash(window[-n:]), token)
 
     def remove(self, tokens) -> None:
         """Undoes `add(tokens, 0)`."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from .acceptance_retrace import SOURCE_KINDS, ProposalFeatures
 from .goodput_retrace import Proposal
-from .lookup_retrace import NgramDatastore, _suffix_keys, prompt_lookup
+from .lookup_retrace import NgramDatastore, prompt_lookup, prompt_lookup_match
 from .online_datastore_retrace import OnlineDatastore
 
 
@@ -139,13 +139,10 @@ class PromptLookupSource(CandidateSource):
         return prompt_lookup(tokens, min(self.num_tokens, max_tokens), *self.ngram_sizes)
 
     def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
-        # one size at a time, longest first: the same match as `propose` (same cost), and its length
-        longest, shortest = self.ngram_sizes
-        for n in range(longest, shortest - 1, -1):
-            proposal = prompt_lookup(tokens, min(self.num_tokens, max_tokens), n, n)
-            if proposal:
-                return Proposal(self.name, proposal, ProposalFeatures.lookup(n, len(proposal)))
-        return None
+        proposal, n = prompt_lookup_match(tokens, min(self.num_tokens, max_tokens), *self.ngram_sizes)
+        if not proposal:
+            return None
+        return Proposal(self.name, proposal, ProposalFeatures.lookup(n, len(proposal)))
 
 
 class DatastoreSource(CandidateSource):
@@ -170,28 +167,13 @@ class DatastoreSource(CandidateSource):
         return self.index.candidates(tokens, max_tokens)
 
     def propose_with_features(self, tokens: np.ndarray, max_tokens: int, request_id=None) -> Proposal | None:
-        proposal = self.index.candidates(tokens, max_tokens)
+        proposal, match = self.index.candidates_with_match(tokens, max_tokens)
         if not proposal:
             return None
         # the index keeps each n-gram's most frequent continuation, not its count: the estimator learns this
         # source's acceptance per match length (one probability bin, the middle one)
-        match = _match_length(self.index, [int(t) for t in tokens[-self.index.ngram_sizes[0] :]])
         features = ProposalFeatures.continuation(match, np.full(len(proposal), 0.5))
         return Proposal(self.name, proposal, features)
-
-
-def _match_length(index: NgramDatastore, context: list[int]) -> int:
-    """The longest n-gram ending `context` that `index` holds (what its first lookup step matched), 0 if none."""
-    keys = _suffix_keys(context, index.ngram_sizes)
-    for n in index.ngram_sizes:  # longest first
-        if n in keys:
-            table_keys, positions = index.tables[n]
-            at = int(np.searchsorted(table_keys, keys[n]))
-            if at < table_keys.shape[0] and int(table_keys[at]) == keys[n]:
-                position = int(positions[at])
-                if index.token_ids[position - n : position].tolist() == context[-n:]:
-                    return n
-    return 0
 
 
 class OnlineDatastoreSource(CandidateSource):

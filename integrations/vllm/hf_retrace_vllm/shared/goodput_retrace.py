@@ -196,7 +196,7 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
         slots = np.full(rows.size, int(drafter_slots))
     prefill = np.full(rows.size, max(int(prefill_rows), 0))
     if max_rows is not None:  # the scheduler gives the budget to verification first, the prefill gets the rest
-        prefill = np.clip(max_rows - rows, 0, prefill)
+        prefill = np.minimum(np.maximum(max_rows - rows, 0), prefill)  # np.clip's, at a fraction of its overhead
     seconds = cost_model.step_seconds(rows + prefill, slots, context.sum(), other)
     rate = (expected + prefill) / np.maximum(np.asarray(seconds, dtype=np.float64), 1e-12)
     if max_rows is not None:

@@ -32,6 +32,13 @@ def prompt_lookup(
     Returns:
         `list[int]` of `1..num_tokens` tokens, or `None` when no n-gram recurs.
     """
+    return prompt_lookup_match(tokens, num_tokens, max_ngram_size, min_ngram_size)[0]
+
+
+def prompt_lookup_match(
+    tokens: np.ndarray, num_tokens: int, max_ngram_size: int, min_ngram_size: int = 1
+) -> tuple[list[int] | None, int]:
+    """[`prompt_lookup`]'s proposal and the size `n` of the n-gram it matched (`(None, 0)` when none recurs)."""
     length = tokens.shape[0]
     # ends of earlier windows: positions e <= T-2 (a token follows) holding the context's last token; an n-gram
     # matches at e when tokens[e-j] == tokens[T-1-j] for j < n. Filtering these few ends costs one pass over the
@@ -43,8 +50,8 @@ def prompt_lookup(
             matches = matches[tokens[matches - j] == tokens[-1 - j]]
         if matches.size:  # the earliest occurrence; its continuation starts after its end
             start = int(matches[0]) + 1
-            return tokens[start : start + num_tokens].tolist()
-    return None
+            return tokens[start : start + num_tokens].tolist(), n
+    return None, 0
 
 
 # two polynomial hashes modulo primes below 2^31, combined into one 62-bit key: every product stays below 2^49 for
@@ -142,18 +149,22 @@ class NgramDatastore:
 
     def next_token(self, context: list[int]) -> int | None:
         """The most frequent next token of the longest indexed n-gram that `context` (token ids) ends with."""
+        return self._next(context)[0]
+
+    def _next(self, context: list[int]) -> tuple[int | None, int]:
+        """`(next_token(context), n)`: with the size of the n-gram matched (`(None, 0)` when none is)."""
         keys = _suffix_keys(context, self.ngram_sizes)  # only the sizes the context is long enough for
         for n in self.ngram_sizes:
             if n not in keys:
                 continue
             table_keys, positions = self.tables[n]
-            index = int(np.searchsorted(table_keys, keys[n]))
+            index = int(table_keys.searchsorted(keys[n]))  # the method: np.searchsorted's wrapper costs as much
             if index == table_keys.shape[0] or int(table_keys[index]) != keys[n]:
                 continue
             position = int(positions[index])
             if self.token_ids[position - n : position].tolist() == context[-n:]:  # a hash collision proposes nothing
-                return int(self.token_ids[position])
-        return None
+                return int(self.token_ids[position]), n
+        return None, 0
 
     def candidates(self, tokens: np.ndarray, num_tokens: int | None = None) -> list[int] | None:
         """The walk from the committed tokens: each step appends the next token of the longest indexed n-gram the
@@ -166,14 +177,19 @@ class NgramDatastore:
         Returns:
             `list[int]` of `1..num_tokens` tokens; `None` when no indexed n-gram ends the context.
         """
-        context = [int(t) for t in tokens[-self.ngram_sizes[0] :]]
-        proposed = []
+        return self.candidates_with_match(tokens, num_tokens)[0]
+
+    def candidates_with_match(self, tokens: np.ndarray, num_tokens: int | None = None) -> tuple[list[int] | None, int]:
+        """[`candidates`] and the size of the n-gram its first step matched (`(None, 0)` when none is)."""
+        context = np.asarray(tokens)[-self.ngram_sizes[0] :].tolist()
+        proposed, first_match = [], 0
         for _ in range(self.num_tokens if num_tokens is None else min(num_tokens, self.num_tokens)):
-            token = self.next_token(context + proposed)
+            token, n = self._next(context + proposed)
             if token is None:
                 break
             proposed.append(token)
-        return proposed or None
+            first_match = first_match or n
+        return proposed or None, first_match
 
 
 def _most_frequent(keys: np.ndarray, continuations: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,4 +209,4 @@ def _most_frequent(keys: np.ndarray, continuations: np.ndarray, starts: np.ndarr
     return run_keys[first], run_positions[first]
 
 
-__all__ = ["NgramDatastore", "SEPARATOR", "prompt_lookup"]
+__all__ = ["NgramDatastore", "SEPARATOR", "prompt_lookup", "prompt_lookup_match"]
