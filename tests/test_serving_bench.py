@@ -404,6 +404,29 @@ def test_worker_reads_the_proposer_timings_and_old_stats_files(tmp_path, monkeyp
     assert os.environ.get(worker.PROPOSER_STATS_ENV) is None
 
 
+def test_stats_file_is_written_when_a_request_ends_and_else_at_most_every_interval(tmp_path, monkeypatch):
+    stats_module = _load(_BENCH.parent / "integrations" / "vllm" / "hf_retrace_vllm" / "stats.py", "plugin_stats")
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(stats_module.STATS_ENV, str(path))
+    clock = [100.0]
+    monkeypatch.setattr(stats_module.time, "monotonic", lambda: clock[0])
+    stats = stats_module.ProposerStats()
+    stats.record("draft", 3)
+    stats.write(final=False)  # the first write is never throttled
+    assert json.loads(path.read_text())["cycles"]["draft"] == 1
+    stats.record("draft", 2)
+    clock[0] += stats_module.WRITE_INTERVAL / 2
+    stats.write(final=False)  # too soon: the file keeps the first write
+    assert json.loads(path.read_text())["cycles"]["draft"] == 1
+    stats.write(final=True)  # a request ended: written whatever the interval
+    assert json.loads(path.read_text())["cycles"]["draft"] == 2
+    stats.record("draft", 2)
+    clock[0] += stats_module.WRITE_INTERVAL
+    stats.write(final=False)
+    written = json.loads(path.read_text())
+    assert written["cycles"]["draft"] == 3 and not any(key.startswith("_") for key in written)
+
+
 def test_prediction_table_sets_the_policy_beside_the_engine():
     ledger = {"steps": 10, "requests": 40, "target_predicted": 0.3, "target_measured": 0.4, "tokens_predicted": 60.0,
               "tokens_committed": 52, "drafter_steps": 2, "drafter_predicted": 0.004, "drafter_measured": 0.02}

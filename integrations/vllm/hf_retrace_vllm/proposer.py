@@ -105,6 +105,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.prediction = PredictionLedger()  # goodput: predicted beside measured steps
         self._planned: PlannedStep | None = None  # the last plan's prediction of the step that verifies it
         self._step_committed = 0  # tokens this step committed, over its requests
+        self._request_ended = False
         self.context_kv = DeferredContextKV(self.max_num_tokens)  # the drafter's context rows, written when due
 
     def _size_for_block(self) -> None:
@@ -153,6 +154,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.clock.start()
         self._last_draft_probs = None
         self._step_committed = 0
+        self._request_ended = False  # a request reached its end this step: the stats file is written (stats.py)
         cad = common_attn_metadata
         max_verified = min(int(num_speculative_tokens), self.max_verified)
         context_features = self.model.combine_hidden_states(target_hidden_states)  # [R, H]: fc of the features
@@ -186,7 +188,9 @@ class ReTraceDFlashProposer(DFlashProposer):
                 continue
             tokens = committed_tokens(self.runner.input_batch, step, i, *verified)
             self._commit(req_id, tokens)
-            cap = min(self._room(req_id, len(tokens)), max_verified)
+            room = self._room(req_id, len(tokens))
+            self._request_ended |= room < 0 or self._stopped(req_id, tokens[-1 - verified[1] :])
+            cap = min(room, max_verified)
             if cap > 0:
                 requests.append((req_id, tokens, cap))
                 anchors[req_id] = (i, len(tokens) - 1)
@@ -210,6 +214,11 @@ class ReTraceDFlashProposer(DFlashProposer):
             self.speculation.start(req_id, tokens[:seen])
         self.speculation.commit(req_id, tokens[seen:])
         self.committed[req_id] = len(tokens)
+
+    def _stopped(self, req_id: str, new_tokens: np.ndarray) -> bool:
+        """Whether `req_id` committed one of its stop tokens (EOS included) among `new_tokens`."""
+        stop = getattr(self.runner.requests[req_id].sampling_params, "all_stop_token_ids", None)
+        return bool(stop) and any(int(t) in stop for t in new_tokens)
 
     def _drop_finished(self) -> None:
         """Frees the state of requests that left the runner (finished or aborted), the policy's included."""
@@ -337,8 +346,9 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.stats.step_costs = {"source": self.costs.source, "context": list(model.context)}
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
-        """Records the step's `StepRecord`, writes the counters, logs every 200 cycles. The stats write is in
-        neither the proposer's nor the engine's time."""
+        """Records the step's `StepRecord`, writes the counters (when a request ended, else at most every
+        `stats.WRITE_INTERVAL` seconds), logs every 200 cycles. The stats write is in neither the proposer's nor the
+        engine's time."""
         context = step.context_tokens(1 + self.max_verified)  # the decoding requests' rows: prefill chunks left out
         split = step.row_split(1 + self.max_verified)  # (decoding requests, their verified rows, prefill rows)
         decode_rows = split[:2] if split[2] == 0 and split[0] > 0 else None
@@ -353,7 +363,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:
             self.stats.record_online_datastore_bytes(self.online_datastore.nbytes())
-        self.stats.write()
+        self.stats.write(final=self._request_ended)
         if sum(self.stats.cycles.values()) // 200 != self._logged:
             self._logged = sum(self.stats.cycles.values()) // 200
             logger.info(self.stats.log_line())
