@@ -1,6 +1,7 @@
 """`benchmarks/diagnostics/step_log_table.py`: a vLLM step log's decode steps by (verifying, verified), and its
 prompt groups apart, on a small synthetic log."""
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -51,3 +52,30 @@ def test_tables_sum_the_decode_steps(table, tmp_path, capsys):
     out = capsys.readouterr().out
     # a group: 5 steps, 0.74 s; 3 decode steps of 32 requests, 32 verified rows, 12 accepted, 340 ms for 108 tokens
     assert "| 0 | 5 | 0.7 | 3 | 32.0 | 32 | 12 | 3.15 |" in out.splitlines()
+
+
+def test_prices_are_the_slopes_in_verified_rows_by_load(table):
+    """Steps of 5-8 requests where a verified row costs 1.3 ms and the model priced it 0.7 ms, and steps of one
+    request where both say 0.9 ms: each bucket reads its own slope, whatever a request's own row costs."""
+    steps = []
+    for n in (1, 5, 6, 7, 8):
+        for v in range(0, 12, 2):
+            row = 1.3 if n > 1 else 0.9
+            priced = 0.7 if n > 1 else 0.9
+            step = _step(n, v, target_s=(30 + 2.5 * n + row * v) / 1e3)
+            step["predicted_s"] = (31 + 2.0 * n + priced * v) / 1e3
+            step["context"] = [300 * n, 250 * v]
+            steps.append(step)
+    prices = {p["requests"]: p for p in table.verified_row_prices(steps)}
+    assert set(prices) == {"5-8"}  # one request: 6 steps, fewer than a bucket needs
+    assert prices["5-8"]["measured"] == pytest.approx(1.3) and prices["5-8"]["model"] == pytest.approx(0.7)
+    assert prices["5-8"]["context"] == pytest.approx(250) and prices["5-8"]["steps"] == 24
+    steps += [dict(s, decoding=1, requests=1) for s in steps[:6]] * 2  # 18 one-request steps now
+    assert {p["requests"] for p in table.verified_row_prices(steps)} == {"1", "5-8"}
+
+
+def test_a_gzipped_log_reads_as_the_plain_one(table, tmp_path):
+    plain = _log(tmp_path)
+    zipped = tmp_path / "steps.jsonl.gz"
+    zipped.write_bytes(gzip.compress(plain.read_bytes()))
+    assert table.read(str(zipped)) == table.read(str(plain))

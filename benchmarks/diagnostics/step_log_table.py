@@ -1,6 +1,7 @@
 """Tables of a vLLM step log (`HF_RETRACE_VLLM_STEP_LOG`, docs/cost-aware-speculation.md, "The step log").
 
     .venv/bin/python benchmarks/diagnostics/step_log_table.py steps.jsonl [--min-decoding 30] [--split | --group K]
+    .venv/bin/python benchmarks/diagnostics/step_log_table.py steps.jsonl --prices
 
 Default: the decode steps (no prefill rows) of at least `--min-decoding` requests, grouped by `(verifying,
 verified)`: how many, and the engine's part of their time (`target_s` less the proposer's `propose_s`), median and
@@ -8,16 +9,27 @@ mean. `--split`: the log's prompt groups apart (the serving bench runs pool_eval
 starts at a step that prefills while at most two requests decode), each with its steps and seconds, and for its
 decode steps of at least `--min-decoding` requests the verified rows, accepted tokens and ms a committed token.
 `--group K`: the default table over group `K` alone (0: pool_eval, 1: unseen).
+`--prices`: what a verified row cost beside what the step-cost model priced it, by how many requests decoded: per
+bucket of decode steps, the least-squares slope in verified rows of the measured `target_s` and of the model's
+`predicted_s`, both on `[1, requests, verified rows, K]` (the first rows' contexts held apart), so each slope is a
+verified row's price at its bucket's load, its context included.
 """
 
 import argparse
+import gzip
 import json
 import statistics
 from collections import defaultdict
 
+import numpy as np
+
+
+BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 1024))  # requests decoding in a step
+
 
 def read(path: str) -> list[dict]:
-    with open(path) as f:
+    """The steps of a log, plain or gzipped (`.gz`, as the records under results/ keep them)."""
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -53,17 +65,46 @@ def by_group(steps: list[dict], min_decoding: int) -> None:
               f"{ms:.2f} |")
 
 
+def verified_row_prices(steps: list[dict]) -> list[dict]:
+    """Per bucket of `BUCKETS` with at least 10 decode steps: `steps`, mean verified rows, mean context of a verified
+    row (`X / V`), and the slopes in ms a verified row, `measured` (of `target_s`) and `model` (of `predicted_s`)."""
+    out = []
+    for low, high in BUCKETS:
+        chosen = [s for s in steps if s["prefill_rows"] == 0 and low <= s["decoding"] <= high]
+        if len(chosen) < 10:
+            continue
+        columns = np.array([[1.0, s["decoding"], s["verified"], s["context"][0]] for s in chosen])
+        slopes = []
+        for field in ("target_s", "predicted_s"):
+            times = np.array([s[field] for s in chosen]) * 1e3
+            slopes.append(float(np.linalg.lstsq(columns, times, rcond=None)[0][2]))
+        verified = sum(s["verified"] for s in chosen)
+        out.append({"requests": f"{low}-{high}" if high > low else str(low), "steps": len(chosen),
+                    "verified": verified / len(chosen), "context": sum(s["context"][1] for s in chosen) / max(verified, 1),
+                    "measured": slopes[0], "model": slopes[1]})  # fmt: skip
+    return out
+
+
+def by_price(steps: list[dict], min_decoding: int) -> None:
+    print("| requests decoding | steps | verified rows a step | context of a verified row | ms a verified row, "
+          "measured | priced by the model |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    for row in verified_row_prices(steps):
+        print(f"| {row['requests']} | {row['steps']} | {row['verified']:.1f} | {row['context']:.0f} | "
+              f"{row['measured']:.2f} | {row['model']:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log")
     parser.add_argument("--min-decoding", type=int, default=16, help="decode steps of at least this many requests")
     parser.add_argument("--split", action="store_true", help="the log's prompt groups apart")
     parser.add_argument("--group", type=int, default=None, help="only this prompt group (0: the first)")
+    parser.add_argument("--prices", action="store_true", help="a verified row's cost beside the model's price")
     args = parser.parse_args()
     steps = read(args.log)
     if args.group is not None:
         steps = split_groups(steps)[args.group]
-    (by_group if args.split else by_rows)(steps, args.min_decoding)
+    (by_price if args.prices else by_group if args.split else by_rows)(steps, args.min_decoding)
 
 
 if __name__ == "__main__":
