@@ -2,9 +2,9 @@
 
 vLLM runs the proposer in its engine-core process, so the counters are written (atomically) to the JSON file named
 by the environment variable `HF_RETRACE_VLLM_STATS` when it is set; `read_stats(path)` reads them back. A write (a
-file and a rename: ~0.3 ms on a 2-core host, most of a batch-1 step's bookkeeping) happens at a step where a request
-reaches its end (its length limit or a stop token), so the file is complete once a `generate` call returns, and
-otherwise at most every `WRITE_INTERVAL` seconds. Every 200 cycles the counters are also logged as one line.
+file and a rename: ~0.3 ms on a 2-core host, which every step paid when each step wrote) happens at a step where a
+request reaches its end (its length limit or a stop token), so the file is complete once a `generate` call returns,
+and otherwise at most every `WRITE_INTERVAL` seconds. Every 200 cycles the counters are also logged as one line.
 """
 
 import json
