@@ -5,6 +5,7 @@ The context rows of steps without a block forward are kept and written later (co
 `patches.PRIVATE_ATTRIBUTES` list the vLLM methods and buffers used here.
 """
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 
@@ -15,6 +16,23 @@ def prepare_block_inputs(proposer, step_inputs: dict):
     proposer.num_speculative_tokens = proposer.block_drafts  # the parent sizes blocks by it
     num_tokens, _, block_cad = proposer.set_inputs_first_pass(token_indices_to_sample=None, **step_inputs)
     return num_tokens, block_cad
+
+
+def context_rows(proposer, cad, target_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(positions [R], slots [R])` of the step's `R` context rows in the drafter's K/V cache, as vLLM's input kernel
+    (`_copy_and_expand_dflash_inputs`, from `set_inputs_first_pass`) writes them to its context buffers: a row of
+    request `i` at position `p` goes to slot `block_table[i, p // block_size] * block_size + p % block_size` (the block
+    index clamped to the table). A step with no block forward needs these alone, not the kernel's query buffers.
+    In numpy on the host tensors' memory: a dozen small torch calls cost as much as the kernel."""
+    batch = cad.batch_size()
+    starts = cad.query_start_loc_cpu[: batch + 1].numpy()
+    request = np.repeat(np.arange(batch), np.diff(starts))  # [R]: each row's request
+    positions = target_positions[: request.shape[0]].numpy().astype(np.int64)
+    table, block_size = cad.block_table_tensor.numpy(), proposer.block_size
+    block = np.minimum(positions // block_size, table.shape[1] - 1)
+    slots = table[request, block].astype(np.int64) * block_size + positions % block_size
+    return (torch.from_numpy(positions).to(proposer._context_positions_buffer.dtype),
+            torch.from_numpy(slots).to(proposer._context_slot_mapping_buffer.dtype))  # fmt: skip
 
 
 def block_forward(proposer, num_tokens: int, block_cad, conditioning, timer) -> torch.Tensor:

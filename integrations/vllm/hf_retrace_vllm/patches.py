@@ -81,7 +81,7 @@ PRIVATE_ATTRIBUTES = {
         "vllm_config", "speculative_config", "draft_model_config", "device", "max_batch_size", "max_num_tokens",
         "max_model_len", "num_speculative_tokens", "max_query_tokens", "max_padded_query_tokens", "max_positions",
         "positions", "arange", "input_ids", "hidden_states", "_slot_mapping_buffer", "_context_positions_buffer",
-        "_context_slot_mapping_buffer", "_last_draft_probs",
+        "_context_slot_mapping_buffer", "_last_draft_probs", "block_size",
     ),
     "GPUModelRunner": (
         "input_batch", "requests", "drafter", "max_num_tokens", "scheduler_config", "uniform_decode_query_len",

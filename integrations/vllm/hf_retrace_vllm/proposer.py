@@ -37,7 +37,7 @@ from .bookkeeping import (
 )  # fmt: skip
 from .context_kv import DeferredContextKV
 from .costs import EngineCosts, key_from_vllm_config, step_costs
-from .drafter_run import block_forward, greedy_drafts, prepare_block_inputs
+from .drafter_run import block_forward, context_rows, greedy_drafts, prepare_block_inputs
 from .logs import get_logger
 from .policy import DRAFTER, STATS_NAMES, DraftPolicy, check_token_budget, policy_sources
 from .profile import StartupProfile
@@ -279,17 +279,14 @@ class ReTraceDFlashProposer(DFlashProposer):
         """Keeps or writes this step's context K/V (context_kv.py), and when a request drafts runs the block forward
         and fills its proposal (and keeps its states for ReTrace). Returns the drafter slots run, `S` (0 when the
         forward is skipped)."""
-        num_tokens, block_cad = prepare_block_inputs(self, step_inputs)
-        num_context = step_inputs["target_token_ids"].shape[0]
         if not drafting:  # no block forward: keep the rows (written before the next one, or when due)
-            self.context_kv.add(
-                req_ids, step_inputs["target_hidden_states"], self._context_positions_buffer[:num_context],
-                self._context_slot_mapping_buffer[:num_context],
-            )  # fmt: skip
+            positions, slots = context_rows(self, step_inputs["cad"], step_inputs["target_positions"])
+            self.context_kv.add(req_ids, step_inputs["target_hidden_states"], positions, slots)
             if self.context_kv.due(req_ids):
                 self._write_kept_context()
             self.clock.lap("context_kv")
             return 0
+        num_tokens, block_cad = prepare_block_inputs(self, step_inputs)
         self._write_kept_context()  # older rows first: the block forward writes this step's rows after them
         hidden = block_forward(self, num_tokens, block_cad, conditioning, self.clock.lap)
         self.stats.drafter_forwards += 1

@@ -9,7 +9,7 @@ import torch
 from test_lossless_random import write_drafter
 
 from conftest import PROMPTS, close_llm, greedy, make_llm
-from hf_retrace_vllm import context_kv, proposer
+from hf_retrace_vllm import context_kv, drafter_run, proposer
 
 
 def _rows(values, slots):
@@ -97,3 +97,28 @@ def test_drafts_after_kept_rows_equal_drafts_after_immediate_writes(target, plai
     forwards = [ran for ran, _ in kept]
     assert any(not a and b for a, b in itertools.pairwise(forwards)), "no lookup-only step before a drafter step"
     assert kept == immediate
+
+
+def test_context_rows_are_what_the_input_kernel_writes(target, tmp_path, monkeypatch):
+    """Steps with no block forward take their context rows' positions and slots from `context_rows`, not from vLLM's
+    input kernel: at every step that runs the kernel (a block forward), the two agree, prefill chunks included."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the proposer runs in this process
+    write_drafter(tmp_path / "drafter", plain=False)
+    compared, original = [], proposer.prepare_block_inputs
+
+    def checked(self, step_inputs):
+        out = original(self, step_inputs)
+        rows = step_inputs["target_positions"].shape[0]
+        positions, slots = drafter_run.context_rows(self, step_inputs["cad"], step_inputs["target_positions"])
+        compared.append((rows, torch.equal(positions, self._context_positions_buffer[:rows]),
+                         torch.equal(slots, self._context_slot_mapping_buffer[:rows])))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(proposer, "prepare_block_inputs", checked)
+    llm = make_llm(target, {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3})
+    try:  # all prompts at once: steps of several requests, and prompts prefilled beside decoding ones
+        greedy(llm)
+    finally:
+        close_llm(llm)
+    assert compared and all(same_positions and same_slots for _, same_positions, same_slots in compared), compared
+    assert max(rows for rows, _, _ in compared) > len(PROMPTS) * 4  # some step carried more than verification rows
