@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/diagnostics/step_log_table.py steps.jsonl --prices
 
 Default: the decode steps (no prefill rows) of at least `--min-decoding` requests, grouped by `(verifying,
-verified)`: how many, and the engine's part of their time (`target_s` less the proposer's `propose_s`), median and
-mean. `--split`: the log's prompt groups apart (the serving bench runs pool_eval, then unseen, on one engine: a group
+verified)`: how many, and the engine's part of their time (`target_s` less the proposer's `propose_s`, the drafter
+forward within it given back), median and mean. `--split`: the log's prompt groups apart (the serving bench runs pool_eval, then unseen, on one engine: a group
 starts at a step that prefills while at most two requests decode), each with its steps and seconds, and for its
 decode steps of at least `--min-decoding` requests the verified rows, accepted tokens and ms a committed token.
 `--group K`: the default table over group `K` alone (0: pool_eval, 1: unseen).
@@ -33,11 +33,17 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def engine_ms(step: dict) -> float:
+    """The engine's part of a step, ms: `target_s` is the whole step less the drafter's forward (`costs.step_costs`),
+    so the proposer's `propose_s` is taken out and its drafter forward, inside it, given back."""
+    return (step["target_s"] - step["propose_s"] + step["drafter_s"]) * 1e3
+
+
 def by_rows(steps: list[dict], min_decoding: int) -> None:
     groups = defaultdict(list)
     for s in steps:
         if s["prefill_rows"] == 0 and s["decoding"] >= min_decoding:
-            groups[(s["verifying"], s["verified"])].append((s["target_s"] - s["propose_s"]) * 1e3)
+            groups[(s["verifying"], s["verified"])].append(engine_ms(s))
     print("| verifying | verified rows | steps | engine ms, median | mean |\n|---:|---:|---:|---:|---:|")
     for (m, v), times in sorted(groups.items()):
         print(f"| {m} | {v} | {len(times)} | {statistics.median(times):.1f} | {statistics.fmean(times):.1f} |")

@@ -26,6 +26,8 @@ A request verifies at most `min(K, room)` tokens (`K`: vLLM's `num_speculative_t
 and `max_model_len`); drafter cycles at most `num_assistant_tokens` of them, a source at most its `*_num_tokens`.
 """
 
+import os
+
 import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -43,7 +45,7 @@ from .policy import DRAFTER, STATS_NAMES, DraftPolicy, check_token_budget, polic
 from .profile import StartupProfile
 from .shared.online_datastore_retrace import OnlineDatastore
 from .shared.speculation_retrace import SpeculationPlan, SpeculationPolicy
-from .stats import ProposerStats
+from .stats import STATS_ENV, ProposerStats
 from .steps import PlannedStep, PredictionLedger, StepClock, StepLog, StepRecord
 
 
@@ -106,6 +108,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         self._planned: PlannedStep | None = None  # the last plan's prediction of the step that verifies it
         self._step_committed = 0  # tokens this step committed, over its requests
         self._request_ended = False
+        self._writes_stats = bool(os.environ.get(STATS_ENV))  # fixed for the engine process's life
         self.context_kv = DeferredContextKV(self.max_num_tokens)  # the drafter's context rows, written when due
 
     def _size_for_block(self) -> None:
@@ -189,7 +192,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             tokens = committed_tokens(self.runner.input_batch, step, i, *verified)
             self._commit(req_id, tokens)
             room = self._room(req_id, len(tokens))
-            self._request_ended |= room < 0 or self._stopped(req_id, tokens[-1 - verified[1] :])
+            if self._writes_stats:  # whether a request ended only decides when the stats file is written
+                self._request_ended |= room < 0 or self._stopped(req_id, tokens[-1 - verified[1] :])
             cap = min(room, max_verified)
             if cap > 0:
                 requests.append((req_id, tokens, cap))
