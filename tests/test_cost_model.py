@@ -98,6 +98,59 @@ def test_observe_outside_the_profile_adds_a_knot_and_splits_drafter_time():
     assert model.num_observed == 3
 
 
+def test_observe_inside_a_wide_gap_adds_a_knot_where_the_engine_runs():
+    """A profile up to 8 rows and a prefill knot at 100: steps of 12 to 20 rows get knots of their own, so their
+    slope is learned from them, not from the prefill's line; next to a knot (9 rows), the knot learns instead."""
+    truth = CostCurve([1, 8, 100], [0.040, 0.050, 0.100])  # a dear row up to 8, a cheap one beyond (prefill)
+    curve = CostCurve(truth.sizes, truth.seconds)
+    curve.observe(9, 0.052, 0.05, 0.5)
+    assert curve.sizes.tolist() == [1, 8, 100]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = int(rng.integers(12, 21))
+        curve.observe(rows, 0.050 + 0.0015 * (rows - 8), 0.05, 0.5)  # 1.5 ms a row here
+    assert len(curve.sizes) > 3 and all(12 <= s <= 20 for s in curve.sizes[2:-1])
+    assert curve(20) - curve(12) == pytest.approx(8 * 0.0015, rel=0.15)
+    assert truth(20) - truth(12) < 0.5 * 8 * 0.0015  # what the prefill's line would have priced
+
+
+def _two_kinds_of_rows(model, per_request, steps=2000, seed=0):
+    """Steps of 2-16 requests, each verifying 0-2 tokens: 1 ms a row of either kind, plus `per_request` for each
+    request's own row (its sampling, the engine's per-request work)."""
+    rng = np.random.default_rng(seed)
+    truth = CostCurve([1, 256], [0.040, 0.040 + 0.001 * 255])
+    for _ in range(steps):
+        n = int(rng.integers(2, 17))
+        verified = int(rng.integers(0, 3, size=n).sum())
+        seconds = truth(n + verified) + per_request * n + rng.normal(0.0, 0.001)
+        model.observe(n + verified, 0, seconds, None, 0, 0, (n, verified))
+    return truth
+
+
+def test_a_request_row_is_priced_apart_from_a_verified_row():
+    """Requests' own rows cost 2 ms more than verified rows: the request term learns the difference and a verified
+    row is priced at its 1 ms; with one curve over rows (no window to fit on) it is priced as a mix of both."""
+    knots = CostCurve([1, 2, 4, 8, 16, 32, 48], [0.040, 0.041, 0.043, 0.047, 0.055, 0.071, 0.087])
+    learned = StepCostModel(CostCurve(knots.sizes, knots.seconds), CostCurve([16], [0.005]))
+    _two_kinds_of_rows(learned, 0.002)
+    assert learned.per_request == pytest.approx(0.002, abs=2e-4)
+    assert learned.marginal_row_cost(12) == pytest.approx(0.001, rel=0.25)
+    assert learned.step_seconds(20, 0, requests=10) == pytest.approx(0.040 + 0.019 + 0.020, rel=0.05)
+    one_curve = StepCostModel(CostCurve(knots.sizes, knots.seconds), CostCurve([16], [0.005]), context_window=0)
+    _two_kinds_of_rows(one_curve, 0.002)
+    assert one_curve.per_request == 0.0 and one_curve.marginal_row_cost(12) > 1.5e-3
+
+
+def test_the_request_term_is_kept_where_requests_do_not_vary():
+    """Batch 1 (one request every step) cannot tell a request's row from a verified one: `e` keeps its value."""
+    model = StepCostModel(CostCurve([1, 8, 32, 64], [0.05, 0.08, 0.15, 0.25]), CostCurve([16], [0.01]),
+                          per_request=0.002)  # fmt: skip
+    _one_request_at_a_time(model, 1e-6, 0.0)
+    assert model.fits > 0 and model.per_request == 0.002
+    with pytest.raises(ValueError, match="per_request must be a finite number"):
+        StepCostModel(CostCurve([1], [0.05]), CostCurve([16], [0.01]), per_request=-1.0)
+
+
 def test_measure_times_each_size(monkeypatch):
     calls = []
     samples = measure(calls.append, [1, 4], repeats=2, warmup=1)
@@ -261,10 +314,15 @@ def test_context_costs_predict_a_logged_engine_at_32_running():
 
 def test_context_costs_are_saved_and_an_older_file_reads_as_none(tmp_path):
     key = host_key("transformers", "t", "float32", 2, False)
-    model = StepCostModel.fit([(1, 0.02), (8, 0.04)], [(16, 0.005)], context=(2e-7, 1e-7))
+    model = StepCostModel.fit([(1, 0.02), (8, 0.04)], [(16, 0.005)], context=(2e-7, 1e-7), per_request=1e-3)
     model.save(tmp_path / "m.json", key)
-    assert StepCostModel.load(tmp_path / "m.json", key).context == (2e-7, 1e-7)
+    loaded = StepCostModel.load(tmp_path / "m.json", key)
+    assert loaded.context == (2e-7, 1e-7) and loaded.per_request == 1e-3
     payload = json.loads((tmp_path / "m.json").read_text())
+    del payload["per_request"]
+    payload["version"] = 2  # written before the request term: it reads as 0
+    (tmp_path / "v2.json").write_text(json.dumps(payload))
+    assert StepCostModel.load(tmp_path / "v2.json", key).per_request == 0.0
     del payload["context"]
     payload["version"] = 1  # written before the context terms: they read as 0
     (tmp_path / "old.json").write_text(json.dumps(payload))

@@ -250,3 +250,17 @@ def test_a_long_request_verifies_fewer_tokens_when_its_rows_read_its_context():
     short, long = counts((0.0, 2e-7))  # a row of 8,000 tokens: 1.6 ms more
     assert short > long > 0
     assert counts((0.0, 0.0)) == counts((2e-7, 0.0)) == [short, short]
+
+
+def test_a_dear_request_row_makes_a_verified_row_pay_sooner():
+    """`e` prices each request's own row beyond a verified one: the plan's step time includes `e * n`, and with a
+    step's time spent mostly on requests' own rows, a 50% token that never pays at 8 running (t(8) alone) does."""
+    estimator = FixedEstimator(lookup=0.5)
+    plain = _plan(_lookups(8), estimator, _costs())
+    assert sum(r.num_verified for r in plain.requests) == 0
+    dear = _costs()
+    dear.per_request = 5e-3
+    plan = _plan(_lookups(8), estimator, dear)
+    assert sum(r.num_verified for r in plan.requests) > 0
+    assert plan.expected_seconds == pytest.approx(float(dear.target_seconds(plan.rows)) + 8 * 5e-3)
+    assert speedup_ceiling(dear, 8, 0.5)[0] > speedup_ceiling(_costs(), 8, 0.5)[0] == 1.0

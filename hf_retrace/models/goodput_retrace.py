@@ -8,8 +8,9 @@ expected committed tokens per second is highest. See docs/cost-aware-speculation
 
 A step of `n` requests verifying `V` proposed tokens in all runs `R = n + V` target rows and, when `m` requests draft,
 `S = m * block_size` drafter slots; it commits in expectation `E = sum over requests of (1 + sum of the survival
-probabilities of its verified tokens)` in `T = t(R) + a * K + c * X + d(S)` seconds, where each row reads its
-request's `L` context tokens (`K`: the sum over the requests' first rows, `X`: over their verified rows).
+probabilities of its verified tokens)` in `T = t(R) + e * n + a * K + c * X + d(S)` seconds, where each row reads its
+request's `L` context tokens (`K`: the sum over the requests' first rows, `X`: over their verified rows) and `e` is
+what a request's own row costs beyond a verified row.
 (request, position) slots are admitted in order of survival probability per marginal second (`t`'s marginal row cost
 plus `c * L`; with `c = 0`, survival order) while the marginal tokens per marginal second beat the current rate
 `E / T`: the prefix of that order with the highest `E / T` (with linear costs, exactly where the greedy rule stops).
@@ -120,8 +121,8 @@ class StepPlan:
         rows (`int`): target rows of the step, `R + P`: one per request, its verified tokens, and the prefill rows.
         drafter_slots (`int`): drafter slots `S` (`block_size` per drafting request).
         expected_tokens (`float`): `E`, tokens committed by the planned requests.
-        expected_seconds (`float`): `T = t(R + P) + a * K + c * X + d(S)` (the prefill rows' contexts are not known
-            here).
+        expected_seconds (`float`): `T = t(R + P) + e * n + a * K + c * X + d(S)` (the prefill rows' contexts are
+            not known here).
         prefill_rows (`int`, *optional*, defaults to 0): `P`, prefill rows the step runs beside the requests.
     """
 
@@ -196,7 +197,7 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
     prefill = np.full(rows.size, max(int(prefill_rows), 0))
     if max_rows is not None:  # the scheduler gives the budget to verification first, the prefill gets the rest
         prefill = np.minimum(np.maximum(max_rows - rows, 0), prefill)  # np.clip's, at a fraction of its overhead
-    seconds = cost_model.step_seconds(rows + prefill, slots, context.sum(), other)
+    seconds = cost_model.step_seconds(rows + prefill, slots, context.sum(), other, n)
     rate = (expected + prefill) / np.maximum(np.asarray(seconds, dtype=np.float64), 1e-12)
     if max_rows is not None:
         rate = np.where(rows <= max(max_rows, n), rate, -np.inf)
@@ -335,8 +336,8 @@ def speedup_ceiling(cost_model: StepCostModel, num_requests: int, acceptance: fl
                     max_verified: int = 16) -> tuple[float, int]:  # fmt: skip
     """The most any proposer whose every token is accepted with probability `acceptance` (given the ones before it)
     can gain over plain decoding at `num_requests` running, on this step-cost model: verifying `k` tokens per request
-    commits `n * (1 - p**(k+1)) / (1 - p)` tokens in `t(n * (1 + k))`, against `n` in `t(n)`; proposing is free here
-    (no drafter, no policy time), so a real method stays below it.
+    commits `n * (1 - p**(k+1)) / (1 - p)` tokens in `t(n * (1 + k)) + e * n`, against `n` in `t(n) + e * n`;
+    proposing is free here (no drafter, no policy time), so a real method stays below it.
 
     Returns:
         `(speedup, k)`: the best ratio of tokens per second over plain decoding, and the `k` that reaches it (0: no
@@ -348,8 +349,9 @@ def speedup_ceiling(cost_model: StepCostModel, num_requests: int, acceptance: fl
                          f"{num_requests}, {acceptance}, {max_verified}")
     ks = np.arange(int(max_verified) + 1)
     tokens = np.cumsum(p**ks)  # 1 + p + ... + p**k, per request
-    seconds = np.asarray(cost_model.target_seconds(n * (1 + ks)), dtype=np.float64)
-    ratio = tokens / seconds * float(cost_model.target_seconds(n))
+    per_request = cost_model.per_request * n
+    seconds = np.asarray(cost_model.target_seconds(n * (1 + ks)), dtype=np.float64) + per_request
+    ratio = tokens / seconds * (float(cost_model.target_seconds(n)) + per_request)
     best = int(np.argmax(ratio))
     return float(ratio[best]), best
 

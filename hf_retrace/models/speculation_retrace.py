@@ -359,16 +359,18 @@ class SpeculationPolicy:
             self.estimator.update(source, features, accepted, request_id)
 
     def step_time(self, rows: int, drafter_slots: int, target_seconds: float, drafter_seconds: float | None = None,
-                  context_tokens: tuple = (0, 0), decode_rows: tuple | None = None) -> None:  # fmt: skip
+                  context_tokens: tuple = (0, 0), decode_rows: tuple | None = None,
+                  requests: int | None = None) -> None:  # fmt: skip
         """Refreshes the cost model from one measured step: `rows` target rows in `target_seconds`, which read
         `context_tokens = (K, X)` context tokens (the requests' first rows, their other rows), and the drafter's
         `drafter_slots` slots in `drafter_seconds` (`None`: not timed apart, the step is split by prediction).
         `decode_rows = (requests, verified rows)` for a step with no prefill rows: it then counts toward the fit of
-        the context terms."""
+        the terms. `requests`: the requests that decoded in the step (defaults to `decode_rows`' requests)."""
         if self.cost_model is not None:
             seconds = float(target_seconds) + float(drafter_seconds or 0.0)
             first, other = (int(k) for k in context_tokens)
-            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds, first, other, decode_rows)
+            self.cost_model.observe(int(rows), int(drafter_slots), seconds, drafter_seconds, first, other, decode_rows,
+                                    requests)  # fmt: skip
 
     # -- request lifecycle ------------------------------------------------------------------------------------------
     def start(self, request_id, prompt_tokens) -> None:

@@ -142,8 +142,8 @@ class EngineCosts:
     def observe(self, record, step_time=None) -> bool:
         """Refreshes the model from one `StepRecord`. Returns whether it counted (not the first step, not idle).
 
-        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens, decode_rows)` refreshes the curves
-        (the policy's, which owns this `model` too); without it, `model.observe` does."""
+        `step_time(rows, slots, target_seconds, drafter_seconds, context_tokens, decode_rows, requests)` refreshes the
+        curves (the policy's, which owns this `model` too); without it, `model.observe` does."""
         costs = step_costs(record)
         if costs is None:
             return False
@@ -152,29 +152,30 @@ class EngineCosts:
         if self.source in ("prior", "cache"):
             if rows > DECODE_ROWS * record.requests:  # a prefill (and the engine's first, cold steps): not its scale
                 return False
-            if self._warm_up(rows, slots, target_s, drafter_s, record.context_tokens):
+            if self._warm_up(rows, slots, target_s, drafter_s, record.context_tokens, record.decoding):
                 return True
         if target_s > IDLE_FACTOR * self.model.target_seconds(rows):
             self.skipped += 1
             return False
         if step_time is not None:
-            step_time(rows, slots, target_s, drafter_s, record.context_tokens, record.decode_rows)
+            step_time(rows, slots, target_s, drafter_s, record.context_tokens, record.decode_rows, record.decoding)
         else:
             self.model.observe(rows, slots, target_s + drafter_s, drafter_s if slots else None, *record.context_tokens,
-                               record.decode_rows)  # fmt: skip
+                               record.decode_rows, record.decoding)  # fmt: skip
         self._since_save += 1
         if self._since_save >= SAVE_EVERY:
             self.save()
         return True
 
-    def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float, context=(0, 0)) -> bool:
+    def _warm_up(self, rows: int, slots: int, target_s: float, drafter_s: float, context=(0, 0),
+                 requests: int = 0) -> bool:  # fmt: skip
         """Collects the first decode steps, then scales the model's target curve by their median ratio to it, and
         its drafter curve by the drafting steps' ratio (the target's when none drafted yet): always for the prior;
         for a cache file only when its target curve is off by more than `RESCALE_TOLERANCE`, and then both curves by
         the target's ratio (a faster or slower machine, the file's shapes kept). Returns whether the step was taken
         here (a cache file the steps confirmed learns from them as usual)."""
         d_pred = self.model.drafter_seconds(slots) if slots else 0.0
-        predicted = self.model.target_seconds(rows) + self.model.context_seconds(*context)  # a file's terms too
+        predicted = float(self.model.step_seconds(rows, 0, *context, requests))  # a file's terms too
         self._warm.append((target_s, predicted, drafter_s, d_pred))
         if len(self._warm) < WARM_STEPS:
             return True

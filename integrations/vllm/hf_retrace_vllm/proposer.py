@@ -344,7 +344,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             predicted = model.drafter_seconds(self.last_step.drafter_slots)
             self.prediction.add_drafter(predicted, self.last_step.drafter_seconds)
         self.stats.prediction = self.prediction.as_dict()
-        self.stats.step_costs = {"source": self.costs.source, "context": list(model.context)}
+        self.stats.step_costs = {"source": self.costs.source, "context": list(model.context),
+                                 "per_request": model.per_request}  # fmt: skip
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters (when a request ended, else at most every
@@ -353,10 +354,10 @@ class ReTraceDFlashProposer(DFlashProposer):
         context = step.context_tokens(1 + self.max_verified)  # the decoding requests' rows: prefill chunks left out
         split = step.row_split(1 + self.max_verified)  # (decoding requests, their verified rows, prefill rows)
         decode_rows = split[:2] if split[2] == 0 and split[0] > 0 else None
-        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context, decode_rows)
+        self.last_step = self.clock.finish(step.num_rows, step.size, drafter_slots, context, decode_rows, split[0])
         self._check_prediction(step)  # before the model learns from this step: it predicted without it
         if self.step_log.enabled:
-            predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context))
+            predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context, split[0]))
             verifying = step.num_verifying(1 + self.max_verified)
             self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted, self._step_committed,
                                 verifying)  # fmt: skip

@@ -7,11 +7,13 @@ decode steps' target time is fitted by least squares as
 
     b0 + b1 * requests + b2 * verified rows + a * K + c * X
 
-(`K`, `X`: the context tokens of the requests' first rows and of their verified rows). Printed: `a`, `c` and how
-much of the steps' spread the fit explains, beside the rows alone. With `--cache` (the engine's step-cost file,
-`~/.cache/hf_retrace/cost/vllm-*.json`) and `--write`, the file gets `context = [a, c]`, and each knot of `t(R)`
-gives back what the logged steps near it read (`a * K + c * X` at their mean, less what the file's terms already
-took): the knots learned those steps' times, contexts included, and would otherwise count them twice. The next
+(`K`, `X`: the context tokens of the requests' first rows and of their verified rows). Printed: `a`, `c`, the request
+term `e = b1 - b2` (what a request's own row costs beyond a verified row; only where the log's steps vary in
+requests) and how much of the steps' spread the fit explains, beside the rows alone. With `--cache` (the engine's
+step-cost file, `~/.cache/hf_retrace/cost/vllm-*.json`) and `--write`, the file gets `context = [a, c]` and
+`per_request = e`, and each knot of `t(R)` gives back what the terms price of the logged steps near it
+(`a * K + c * X + e * n` at their mean, less what the file's terms already took): the knots learned those steps'
+times and would otherwise count them twice. The next
 engine start with that file plans with the terms.
 """
 
@@ -28,13 +30,15 @@ from .shared.cost_model_retrace import fit_context_terms as cost_fit
 
 @dataclass(frozen=True)
 class ContextFit:
-    """`a`, `c` (seconds per context token), the fit's R^2, the R^2 of rows alone, and the decode steps used."""
+    """`a`, `c` (seconds per context token), the fit's R^2, the R^2 of rows alone, the decode steps used, and `e`
+    (seconds a request's row costs beyond a verified row; `None` where the steps' requests hardly vary)."""
 
     first: float
     other: float
     r2: float
     r2_rows_only: float
     steps: int
+    per_request: float | None = None
 
 
 def read_step_log(path) -> list[dict]:
@@ -64,15 +68,18 @@ def fit_context_terms(steps: list[dict]) -> ContextFit:
     if len(decode) < MIN_FIT_STEPS:
         raise ValueError(f"the log has {len(decode)} decode steps, a fit needs {MIN_FIT_STEPS}: log a longer run")
     columns = np.array([[s["decoding"], s["verified"], *s["context"], s["target_s"]] for s in decode], np.float64)
-    first, other, r2, r2_rows = cost_fit(*columns.T)
-    return ContextFit(first, other, r2, r2_rows, len(decode))
+    first, other, per_request, r2, r2_rows = cost_fit(*columns.T)
+    return ContextFit(first, other, r2, r2_rows, len(decode), per_request)
 
 
-def knots_without_context(curve: CostCurve, steps: list[dict], first: float, other: float) -> CostCurve:
-    """`curve` with each knot less `first * K + other * X` at the mean contexts of the logged steps it learned from
-    (`cost_model_retrace.knots_less_context`)."""
+def knots_without_context(curve: CostCurve, steps: list[dict], first: float, other: float,
+                          per_request: float = 0.0) -> CostCurve:  # fmt: skip
+    """`curve` with each knot less `first * K + other * X + per_request * n` at the mean contexts and decoding
+    requests of the logged steps it learned from (`cost_model_retrace.knots_less_context`)."""
     contexts = np.array([s["context"] for s in steps], dtype=np.float64).reshape(-1, 2)
-    return knots_less_context(curve, [s["rows"] for s in steps], contexts[:, 0], contexts[:, 1], first, other)
+    requests = [s.get("decoding", 0) for s in steps]
+    return knots_less_context(curve, [s["rows"] for s in steps], contexts[:, 0], contexts[:, 1], first, other,
+                              requests, per_request)  # fmt: skip
 
 
 def write_terms(cache: Path, steps: list[dict], fit: ContextFit) -> StepCostModel:
@@ -84,8 +91,10 @@ def write_terms(cache: Path, steps: list[dict], fit: ContextFit) -> StepCostMode
     if model is None:
         raise ValueError(f"{cache} is not a step-cost file this code reads")
     # the knots hold the logged steps' contexts beyond the terms the file had when they learned: give back the change
-    target = knots_without_context(model.target, steps, fit.first - model.context[0], fit.other - model.context[1])
-    fitted = StepCostModel(target, model.drafter, (fit.first, fit.other))
+    per_request = model.per_request if fit.per_request is None else fit.per_request
+    change = (fit.first - model.context[0], fit.other - model.context[1], per_request - model.per_request)
+    target = knots_without_context(model.target, steps, *change)
+    fitted = StepCostModel(target, model.drafter, (fit.first, fit.other), per_request)
     fitted.save(cache, key)
     return fitted
 
@@ -98,14 +107,15 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     steps = read_step_log(args.log)
     fit = fit_context_terms(steps)
-    print(f"{fit.steps} decode steps: a = {fit.first * 1e6:.2f} us, c = {fit.other * 1e6:.2f} us a context token; "
-          f"R^2 {fit.r2:.3f} (rows alone {fit.r2_rows_only:.3f})")  # fmt: skip
+    e = "not fitted (the steps' requests hardly vary)" if fit.per_request is None else f"{fit.per_request * 1e3:.2f} ms"
+    print(f"{fit.steps} decode steps: a = {fit.first * 1e6:.2f} us, c = {fit.other * 1e6:.2f} us a context token, "
+          f"e = {e} a request; R^2 {fit.r2:.3f} (rows alone {fit.r2_rows_only:.3f})")  # fmt: skip
     if args.write and not args.cache:
         parser.error("--write needs --cache")
     if args.write:
         model = write_terms(Path(args.cache), steps, fit)
         knots = ", ".join(f"{int(s)}: {t * 1e3:.1f}" for s, t in zip(model.target.sizes, model.target.seconds))
-        print(f"wrote {args.cache}: context {list(model.context)}, t(R) ms {knots}")
+        print(f"wrote {args.cache}: context {list(model.context)}, per_request {model.per_request}, t(R) ms {knots}")
 
 
 if __name__ == "__main__":

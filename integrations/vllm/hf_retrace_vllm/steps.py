@@ -39,6 +39,8 @@ class StepRecord:
             context terms (`StepBatch.context_tokens`).
         decode_rows (`tuple[int, int]` or `None`): `(requests, verified rows)` of a step with no prefill rows (the
             context terms are fitted on those), `None` for one with prefill rows.
+        decoding (`int`): the requests that decoded (the cost model's request term counts them), prefill steps
+            included.
     """
 
     rows: int
@@ -51,6 +53,7 @@ class StepRecord:
     propose_seconds: float
     context_tokens: tuple = (0, 0)
     decode_rows: tuple | None = None
+    decoding: int = 0
 
     def timings(self) -> dict[str, float]:
         """`{part: seconds}` of this step, `engine` included when known (the stats file's `timings` adds these)."""
@@ -86,10 +89,10 @@ class StepClock:
         self._mark = now
 
     def finish(self, rows: int, requests: int, drafter_slots: int, context_tokens: tuple = (0, 0),
-               decode_rows: tuple | None = None) -> StepRecord:  # fmt: skip
+               decode_rows: tuple | None = None, decoding: int = 0) -> StepRecord:  # fmt: skip
         record = StepRecord(
             rows, requests, drafter_slots, self._engine, self._parts["policy"], self._parts["context_kv"],
-            self._parts["drafter"], time.perf_counter() - self._start, context_tokens, decode_rows,
+            self._parts["drafter"], time.perf_counter() - self._start, context_tokens, decode_rows, decoding,
         )  # fmt: skip
         self.records.append(record)
         return record

@@ -120,11 +120,14 @@ def test_step_context_tokens_split_first_rows_from_the_others():
 def test_observed_steps_pass_their_context_to_the_cost_model(tmp_path):
     costs = EngineCosts(engine_key("t", "float32", 2, True), tmp_path / "c.json", save_at_exit=False)
     seen = []
-    record = StepRecord(5, 2, 0, 0.02, 0.001, 0.0, 0.0, 0.002, (300, 450), (2, 3))
+    record = StepRecord(5, 2, 0, 0.02, 0.001, 0.0, 0.0, 0.002, (300, 450), (2, 3), 2)
     costs.source = "profile"  # past the warm-up: every step refreshes the model
     assert costs.observe(record, lambda *args: seen.append(args))
-    # its contexts, and (requests, verified rows) of a step with no prefill rows, for the fit of the context terms
-    assert seen == [(5, 0, pytest.approx(0.022), 0.0, (300, 450), (2, 3))]
+    # its contexts, (requests, verified rows) of a step with no prefill rows for the fit of the terms, and the
+    # requests that decoded (the request term's count, prefill steps included)
+    assert seen == [(5, 0, pytest.approx(0.022), 0.0, (300, 450), (2, 3), 2)]
+    prefill = StepRecord(40, 3, 0, 0.05, 0.001, 0.0, 0.0, 0.002, (300, 450), None, 2)
+    assert costs.observe(prefill, lambda *args: seen.append(args)) and seen[-1][-2:] == (None, 2)
 
 
 def test_bound_threads_reads_vllm_bind_lists():

@@ -36,6 +36,7 @@ def test_the_fit_recovers_the_context_terms(a, c):
     fit = fit_context_terms(_steps(a, c))
     assert fit.first == pytest.approx(a, abs=2e-7) and fit.other == pytest.approx(c, abs=2e-7)
     assert fit.other >= 0 and fit.r2 > 0.95 and fit.r2 > fit.r2_rows_only and fit.steps == 390
+    assert fit.per_request == pytest.approx(0.0015 - 0.0012, abs=1.5e-4)  # a request's row beyond a verified row
 
 
 def test_the_logged_engine_reads_its_context_at_a_few_microseconds_a_token():
@@ -63,13 +64,16 @@ def test_terms_are_written_into_the_cost_file(tmp_path, capsys):
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(s) + "\n" for s in steps))
     main(["--log", str(log), "--cache", str(path), "--write"])
-    assert "a = 3.0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a = 3.0" in out and "e = 0." in out
     model = StepCostModel.load(path, key)
+    assert model.per_request == pytest.approx(3e-4, abs=1.5e-4)
     assert model.context[0] == pytest.approx(3e-6, abs=2e-7) and model.context[1] == pytest.approx(1e-6, abs=2e-7)
     assert model.target(32) < 0.12  # the knot gave back the contexts of the steps it learned from
     assert model.drafter(16) == pytest.approx(0.005)
     again = write_terms(path, steps, fit_context_terms(steps))  # the same fit again: the knots stay
-    assert again.context == model.context and again.target.seconds.tolist() == model.target.seconds.tolist()
+    assert again.context == model.context and again.per_request == model.per_request
+    assert again.target.seconds.tolist() == model.target.seconds.tolist()
 
 
 def test_bad_logs_are_clear_errors(tmp_path):

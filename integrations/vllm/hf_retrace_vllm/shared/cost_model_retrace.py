@@ -4,8 +4,8 @@
 # Hub file: imports numpy and the standard library only (no torch), so both engines share it unchanged; the vLLM
 # plugin vendors it byte-identical.
 """The step-cost model of cost-aware speculation (docs/cost-aware-speculation.md): how long a target step takes
-for `R` verified rows in the batch (batch x tokens), `t(R)`, plus what reading the requests' contexts adds, and a
-drafter forward for `S` slots, `d(S)`.
+for `R` verified rows in the batch (batch x tokens), `t(R)`, plus what each request's own row and reading the
+requests' contexts add, and a drafter forward for `S` slots, `d(S)`.
 
 Both are monotone piecewise-linear curves through measured points, fitted once from a profile (engine start, or
 first use in transformers), cached per host and configuration, and refreshed online from the step times the engine
@@ -28,7 +28,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 FORMAT = "hf_retrace-step-cost"
-VERSION = 2  # 2 added the context term; a version-1 file is read with `context = 0`
+VERSION = 3  # 2 added the context terms, 3 the request term; older files read with those terms at 0
+KNOT_GAP = 0.25  # an observed size this far (relative) from both neighbouring knots becomes a knot
 
 
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -115,7 +116,10 @@ class CostCurve:
         """Moves the knots around `size` toward one observed time (an exponentially weighted average per knot,
         weighted by the interpolation weights); a slower step counts as at most `1 + max_change` x the prediction, so
         a stalled step moves the curve by a bounded amount (a faster one is believed: nothing speeds a step up). A
-        size past the ends becomes a new knot.
+        size past the ends becomes a new knot, and so does one inside a wide gap (both neighbours farther than
+        `KNOT_GAP` of it, and at least 2 away): the curve gets knots where the engine runs. Without them, sizes
+        between a profile's last knot (8 rows) and a prefill's (100) would share one straight segment, its slope
+        set by the prefill steps.
 
         A knot's first observations weigh more than `alpha`: `1 / (n + 4)` for its `n`-th (the profile counts as 3),
         until that falls to `alpha`. A profile taken during a load spike, or a size first seen long after start
@@ -123,11 +127,11 @@ class CostCurve:
         predicted = self(size)
         # only upward: interference (another process, a page fault) slows a step down, nothing makes it faster
         residual = min(float(seconds - predicted), max_change * predicted)
-        if size < self.sizes[0] or size > self.sizes[-1]:
-            self._insert(size, predicted + self._weight(0.0, alpha) * residual)
-            return
         right = int(np.searchsorted(self.sizes, size))  # sizes[right - 1] < size <= sizes[right]
         left = max(right - 1, 0)
+        if size < self.sizes[0] or size > self.sizes[-1] or self._in_wide_gap(size, left, right):
+            self._insert(size, predicted + self._weight(0.0, alpha) * residual)
+            return
         share = 1.0  # of the update the right knot gets: its interpolation weight
         if self.sizes[right] != size:
             share = (size - self.sizes[left]) / (self.sizes[right] - self.sizes[left])
@@ -136,6 +140,13 @@ class CostCurve:
         self._observed[right] += share
         self._observed[left] += 1.0 - share
         self.seconds = _isotonic(np.maximum(self.seconds, 0.0), np.ones_like(self.seconds))
+
+    def _in_wide_gap(self, size: float, left: int, right: int) -> bool:
+        """Whether `size`, inside the curve between knots `left < right`, is far enough from both to be a knot."""
+        if right == left or self.sizes[right] == size:
+            return False
+        below, above = size - self.sizes[left], self.sizes[right] - size
+        return min(below, above) >= 2.0 and below >= KNOT_GAP * self.sizes[left] and above >= KNOT_GAP * size
 
     @staticmethod
     def _weight(observed: float, alpha: float) -> float:
@@ -200,6 +211,7 @@ def cpu_features() -> str:
 
 
 MIN_FIT_STEPS = 50  # decode steps a fit of the context terms needs
+MIN_REQUEST_SPREAD = 2  # requests a step must vary by in a fit's window for the request term to be fitted
 MIN_KNOT_WEIGHT = 3.0  # steps (interpolation weights summed) a knot needs to give back their contexts
 RESCALE_TOLERANCE = 1.25  # a cache file whose t(R) is off what this host measures by more than this is not trusted
 
@@ -243,10 +255,14 @@ def measure(run, sizes, repeats: int = 3, warmup: int = 1) -> list[tuple[int, fl
 
 
 def fit_context_terms(requests, verified, first_rows_context, other_rows_context, seconds) -> tuple:
-    """`(a, c, r2, r2_rows_only)`: least squares of decode steps' target `seconds` (arrays of shape `(steps,)`) as
+    """`(a, c, e, r2, r2_rows_only)`: least squares of decode steps' target `seconds` (arrays of shape `(steps,)`) as
     `b0 + b1 * requests + b2 * verified + a * K + c * X`, beside the rows-only fit's R^2. A term the data make
     negative is dropped and the other refitted: a context never makes a step faster. Columns that never vary (batch
     1: one request a step) are fine; least squares takes the smallest solution.
+
+    `e = max(b1 - b2, 0)` is what a request's own row costs beyond a verified row (its sampling, the engine's
+    per-request work), `None` when the requests a step varied by less than `MIN_REQUEST_SPREAD` (it is not
+    identified then: batch 1).
 
     Raises:
         ValueError: fewer than `MIN_FIT_STEPS` steps.
@@ -263,22 +279,25 @@ def fit_context_terms(requests, verified, first_rows_context, other_rows_context
         return coef, 1.0 - float(((seconds - columns @ coef) ** 2).sum()) / spread
 
     r2_rows = solve(rows)[1]
+    identified = np.ptp(rows[:, 1]) >= MIN_REQUEST_SPREAD  # `e` needs steps of different request counts
     keep = [0, 1]
     while True:
         coef, r2 = solve(np.hstack([rows, context[:, keep]]))
         terms = dict(zip(keep, coef[3:]))
         negative = [k for k, v in terms.items() if v < 0]
         if not negative:
-            return float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), r2, r2_rows
+            per_request = max(float(coef[1] - coef[2]), 0.0) if identified else None
+            return float(terms.get(0, 0.0)), float(terms.get(1, 0.0)), per_request, r2, r2_rows
         keep = [k for k in keep if k != min(negative, key=terms.get)]
 
 
 def knots_less_context(curve: "CostCurve", rows, first_rows_context, other_rows_context, first: float,
-                       other: float) -> "CostCurve":  # fmt: skip
-    """`curve` with each knot less `first * K + other * X` at the mean contexts of the steps (arrays of `rows`,
-    `K`, `X`) it learned from, weighted as [`CostCurve.observe`] spreads a step between two knots; a knot that saw
-    fewer than `MIN_KNOT_WEIGHT` of them is kept. The knots learn steps' times, contexts included, beyond the terms
-    they had: when the terms grow by `(first, other)`, this is what the knots give back."""
+                       other: float, requests=None, per_request: float = 0.0) -> "CostCurve":  # fmt: skip
+    """`curve` with each knot less `first * K + other * X + per_request * n` at the mean contexts and requests of the
+    steps (arrays of `rows`, `K`, `X`, `n`) it learned from, weighted as [`CostCurve.observe`] spreads a step
+    between two knots; a knot that saw fewer than `MIN_KNOT_WEIGHT` of them is kept. The knots learn steps' times
+    beyond the terms they had: when the terms grow by `(first, other, per_request)`, this is what the knots give
+    back."""
     sizes = curve.sizes
     rows = np.asarray(rows, dtype=np.float64)
     right = np.clip(np.searchsorted(sizes, rows), 0, sizes.size - 1)
@@ -287,7 +306,10 @@ def knots_less_context(curve: "CostCurve", rows, first_rows_context, other_rows_
     share = np.where((right > left) & (sizes[right] != rows), np.clip((rows - sizes[left]) / gap, 0.0, 1.0), 1.0)
     weight = np.bincount(right, share, sizes.size) + np.bincount(left, 1.0 - share, sizes.size)
     tokens = np.zeros(sizes.size)
-    for values, term in ((first_rows_context, first), (other_rows_context, other)):
+    terms = ((first_rows_context, first), (other_rows_context, other), (requests, per_request))
+    for values, term in terms:
+        if values is None or term == 0:
+            continue
         values = np.asarray(values, dtype=np.float64)
         summed = np.bincount(right, share * values, sizes.size) + np.bincount(left, (1.0 - share) * values, sizes.size)
         tokens += term * summed
@@ -299,17 +321,22 @@ def knots_less_context(curve: "CostCurve", rows, first_rows_context, other_rows_
 
 @dataclass
 class StepCostModel:
-    """Target step time for `R` verified rows, `t(R) + a * K + c * X`, and drafter time `d(S)` for `S` drafter slots,
-    in seconds.
+    """Target step time for `R` verified rows of `n` requests, `t(R) + e * n + a * K + c * X`, and drafter time
+    `d(S)` for `S` drafter slots, in seconds.
+
+    A step's rows are of two kinds. Each request's first row carries its sampling and the engine's per-request work
+    beyond a row's compute: `e` prices that, so `t(R)` is what a row costs whichever kind it is. Without it the
+    knots learn plain steps of many requests as dear rows, and a verified row in a step of few requests as cheap
+    ones, and the slope between two knots mixes both.
 
     A row at position `p` attends to `p + 1` tokens. `K` sums that over each request's first row (one read of every
     request's context) and `X` over its other rows (its verified tokens). Whether an
     attention kernel reads a request's K/V once for all its rows or once per row decides whether a verified row's
     context costs little (`c` near 0) or as much as the first row's (`c` near `a`), so both are learned.
 
-    `t(R)` is measured with short contexts and refreshed from the steps' times less the terms; `a` and `c` are fitted
-    online by least squares on recent decode steps, with their own intercept and per-row terms, so they never trade
-    the level with the knots (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
+    `t(R)` is measured with short contexts and refreshed from the steps' times less the terms; `a`, `c` and `e` are
+    fitted online by least squares on recent decode steps, with their own intercept and per-row terms, so they never
+    trade the level with the knots (see [`StepCostModel.observe`]). A verified row of a request with `L` tokens costs
     `t(R + 1) - t(R) + c * L`: a long request pays more for its drafts than a short one.
 
     Args:
@@ -317,13 +344,15 @@ class StepCostModel:
         drafter (`CostCurve`): `d(S)`; `d(0) = 0` (no drafter forward).
         context (`tuple[float, float]`, *optional*, defaults to `(0, 0)`): `(a, c)`, seconds per context token of a
             request's first row and of its other rows.
+        per_request (`float`, *optional*, defaults to 0): `e`, seconds a request's own row costs beyond a verified
+            row.
         alpha (`float`, *optional*, defaults to 0.05): weight of one observed step in the online refresh, once a
             knot has seen `1 / alpha - 4` of them (earlier ones weigh more, see [`CostCurve.observe`]); 0 freezes it.
         max_change (`float`, *optional*, defaults to 0.5): a slower observation moves a knot up by at most this
             fraction of the prediction (times its weight), so an outlier (a page fault, another process) cannot
             wreck the curve.
-        context_window (`int`, *optional*, defaults to 512): decode steps the context terms are fitted on; every
-            `refit_every` of them, `(a, c)` are refitted by least squares on the last `context_window` (see
+        context_window (`int`, *optional*, defaults to 512): decode steps the terms are fitted on; every
+            `refit_every` of them, `(a, c, e)` are refitted by least squares on the last `context_window` (see
             [`StepCostModel.observe`]); 0 keeps them at their given values.
         refit_every (`int`, *optional*, defaults to 16): decode steps between two fits.
 
@@ -338,6 +367,7 @@ class StepCostModel:
     target: CostCurve
     drafter: CostCurve
     context: tuple = (0.0, 0.0)
+    per_request: float = 0.0
     alpha: float = 0.05
     max_change: float = 0.5
     context_window: int = 512
@@ -349,6 +379,9 @@ class StepCostModel:
         if len(self.context) != 2:
             raise ValueError(f"context must be (a, c), seconds per context token of first and other rows, got "
                              f"{self.context}")  # fmt: skip
+        if not isinstance(self.per_request, (int, float)) or not np.isfinite(self.per_request) or self.per_request < 0:
+            raise ValueError(f"per_request must be a finite number of seconds >= 0, got {self.per_request!r}")
+        self.per_request = float(self.per_request)
         if self.context_window < 0 or self.refit_every < 1:
             raise ValueError(f"context_window must be >= 0 (0 keeps the context terms) and refit_every >= 1, got "
                              f"{self.context_window}, {self.refit_every}")  # fmt: skip
@@ -380,10 +413,10 @@ class StepCostModel:
         the requests' first rows and `X` of their other rows."""
         return self.context[0] * first_rows_context + self.context[1] * other_rows_context
 
-    def step_seconds(self, rows, slots, first_rows_context=0, other_rows_context=0) -> np.ndarray | float:
-        """`t(rows) + a * K + c * X + d(slots)`."""
+    def step_seconds(self, rows, slots, first_rows_context=0, other_rows_context=0, requests=0) -> np.ndarray | float:
+        """`t(rows) + e * requests + a * K + c * X + d(slots)`."""
         context = self.context_seconds(first_rows_context, other_rows_context)
-        return self.target(rows) + context + self.drafter(slots)
+        return self.target(rows) + self.per_request * requests + context + self.drafter(slots)
 
     def marginal_row_cost(self, rows: int, context_tokens: int = 0) -> float:
         """`t(rows + 1) - t(rows) + c * context_tokens`: what one more verified row, of a request with
@@ -392,20 +425,23 @@ class StepCostModel:
 
     def observe(self, rows: int, slots: int, seconds: float, drafter_seconds: float | None = None,
                 first_rows_context: int = 0, other_rows_context: int = 0,
-                decode_rows: tuple | None = None) -> None:  # fmt: skip
+                decode_rows: tuple | None = None, requests: int | None = None) -> None:  # fmt: skip
         """Refreshes the model from one observed step of `rows` verified rows and `slots` drafter slots that took
-        `seconds` in all; its rows read `first_rows_context` (`K`) and `other_rows_context` (`X`) context tokens.
+        `seconds` in all; its rows read `first_rows_context` (`K`) and `other_rows_context` (`X`) context tokens, and
+        `requests` decoding requests ran in it (`n`; defaults to `decode_rows`' requests, else 0).
         With `drafter_seconds` (timed apart) each curve gets its own time; without it a step that drafted is split in
         proportion to the predictions.
 
-        The knots learn the target's part less `a * K + c * X`. `decode_rows = (requests, verified)`, for a step with
-        no prefill rows, also keeps the step for the context terms' fit: every `refit_every` such steps, `(a, c)`
+        The knots learn the target's part less `e * n + a * K + c * X`. `decode_rows = (requests, verified)`, for a
+        step with no prefill rows, also keeps the step for the terms' fit: every `refit_every` such steps, `(a, c, e)`
         are refitted by least squares (`fit_context_terms`) on the last `context_window`, with their own intercept
         and per-row terms, so the fit never reads the knots and the knots cannot trade their level with it. The
         knots then give back what the change of the terms now prices (`knots_less_context`)."""
         if seconds <= 0 or not np.isfinite(seconds) or rows <= 0:
             return
-        context_part = self.context_seconds(first_rows_context, other_rows_context)
+        if requests is None:
+            requests = decode_rows[0] if decode_rows is not None else 0
+        context_part = self.context_seconds(first_rows_context, other_rows_context) + self.per_request * requests
         if slots > 0 and drafter_seconds is None:
             predicted_t, predicted_d = self.target(rows) + context_part, self.drafter(slots)
             drafter_seconds = seconds * predicted_d / max(predicted_t + predicted_d, 1e-12)
@@ -422,17 +458,19 @@ class StepCostModel:
                 self._refit_context()
 
     def _refit_context(self) -> None:
-        """Refits `(a, c)` on the kept decode steps; a fit whose terms alone would exceed the steps' mean time (a
-        degenerate window) is not taken."""
+        """Refits `(a, c, e)` on the kept decode steps (`e` kept where the window cannot tell it: batch 1); a fit
+        whose terms alone would exceed the steps' mean time (a degenerate window) is not taken."""
         steps = self._steps[: min(self._num_steps, self.context_window)]
         requests, verified, first, other, seconds = steps.T
-        a, c, r2, r2_rows = fit_context_terms(requests, verified, first, other, seconds)
-        if a * first.mean() + c * other.mean() > seconds.mean():
+        a, c, e, r2, r2_rows = fit_context_terms(requests, verified, first, other, seconds)
+        e = self.per_request if e is None else e
+        if a * first.mean() + c * other.mean() + e * requests.mean() > seconds.mean():
             return
         change = (a - self.context[0], c - self.context[1])
         rows = requests + verified  # a decode step's rows: each request's first, then its verified tokens
-        self.target.seconds = knots_less_context(self.target, rows, first, other, *change).seconds  # in place
-        self.context = (a, c)
+        less = knots_less_context(self.target, rows, first, other, *change, requests, e - self.per_request)
+        self.target.seconds = less.seconds  # in place: the observation counts stay
+        self.context, self.per_request = (a, c), e
         self.fits += 1
         self.fit_r2 = (r2, r2_rows)
 
@@ -441,7 +479,8 @@ class StepCostModel:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"format": FORMAT, "version": VERSION, "key": asdict(key), "target": self.target.to_list(),
-                   "drafter": self.drafter.to_list(), "context": [float(v) for v in self.context]}  # fmt: skip
+                   "drafter": self.drafter.to_list(), "context": [float(v) for v in self.context],
+                   "per_request": self.per_request}  # fmt: skip
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, path)
@@ -468,7 +507,8 @@ class StepCostModel:
             return None
         try:
             return cls(_curve(payload["target"], path), _curve(payload["drafter"], path),
-                       _context_pair(payload.get("context", [0.0, 0.0])), **kwargs)  # fmt: skip
+                       _context_pair(payload.get("context", [0.0, 0.0])), payload.get("per_request", 0.0),
+                       **kwargs)  # fmt: skip
         except ValueError as error:
             raise ValueError(f"{path} is not a valid step-cost file: {error}") from error
 
@@ -480,7 +520,7 @@ def _read_payload(path: Path) -> dict:
         raise ValueError(f"{path} is not a valid step-cost file ({error}); delete it to re-measure") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or not isinstance(payload.get("key"), dict):
         raise ValueError(f"{path} is not a step-cost file (format {FORMAT!r} expected); delete it to re-measure")
-    if payload.get("version") not in (1, VERSION):
+    if payload.get("version") not in (1, 2, VERSION):
         version = payload.get("version")
         raise ValueError(f"{path} has step-cost format version {version}, this code reads 1 to {VERSION}")
     return payload
