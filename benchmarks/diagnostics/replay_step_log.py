@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from step_log_table import BUCKETS, read, split_groups  # noqa: E402
+from step_log_table import bucket_slopes, read, split_groups  # noqa: E402
 
 from hf_retrace.models.cost_model_retrace import CostCurve, StepCostModel  # noqa: E402
 
@@ -67,15 +67,8 @@ def replay(steps: list[dict], profile_ms: float, profile_row_ms: float) -> StepC
 def table(steps: list[dict]) -> None:
     print("| requests decoding | steps | ms a verified row, measured | logged model | replayed | replayed error ms "
           "| bias ms |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
-    for low, high in BUCKETS:
-        chosen = [s for s in steps if "replayed_s" in s and s["prefill_rows"] == 0 and low <= s["decoding"] <= high]
-        if len(chosen) < 10:
-            continue
-        columns = np.array([[1.0, s["decoding"], s["verified"], s["context"][0]] for s in chosen])
-        slopes = [float(np.linalg.lstsq(columns, np.array([s[f] for s in chosen]) * 1e3, rcond=None)[0][2])
-                  for f in ("target_s", "predicted_s", "replayed_s")]  # fmt: skip
+    for name, chosen, slopes in bucket_slopes(steps, ("target_s", "predicted_s", "replayed_s")):
         errors = np.array([s["replayed_s"] - s["target_s"] for s in chosen]) * 1e3
-        name = f"{low}-{high}" if high > low else str(low)
         print(f"| {name} | {len(chosen)} | {slopes[0]:.2f} | {slopes[1]:.2f} | {slopes[2]:.2f} | "
               f"{np.abs(errors).mean():.1f} | {errors.mean():+.1f} |")
 

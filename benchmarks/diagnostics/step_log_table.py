@@ -71,23 +71,31 @@ def by_group(steps: list[dict], min_decoding: int) -> None:
               f"{ms:.2f} |")
 
 
+def bucket_slopes(steps: list[dict], fields) -> list[tuple[str, list[dict], list[float]]]:
+    """Per bucket of `BUCKETS` with at least 10 decode steps that all have `fields`: `(name, steps, slopes)`, a slope
+    in ms a verified row per field, from the least squares of `field` on requests, verified rows and the first rows'
+    contexts."""
+    out = []
+    for low, high in BUCKETS:
+        chosen = [s for s in steps if s["prefill_rows"] == 0 and low <= s["decoding"] <= high and fields[-1] in s]
+        if len(chosen) < 10:
+            continue
+        columns = np.array([[1.0, s["decoding"], s["verified"], s["context"][0]] for s in chosen])
+        times = np.array([[s[field] for field in fields] for s in chosen]) * 1e3  # [steps, fields]
+        slopes = np.linalg.lstsq(columns, times, rcond=None)[0][2]
+        out.append((f"{low}-{high}" if high > low else str(low), chosen, [float(x) for x in slopes]))
+    return out
+
+
 def verified_row_prices(steps: list[dict]) -> list[dict]:
     """Per bucket of `BUCKETS` with at least 10 decode steps: `steps`, mean verified rows, mean context of a verified
     row (`X / V`), and the slopes in ms a verified row, `measured` (of `target_s`) and `model` (of `predicted_s`)."""
     out = []
-    for low, high in BUCKETS:
-        chosen = [s for s in steps if s["prefill_rows"] == 0 and low <= s["decoding"] <= high]
-        if len(chosen) < 10:
-            continue
-        columns = np.array([[1.0, s["decoding"], s["verified"], s["context"][0]] for s in chosen])
-        slopes = []
-        for field in ("target_s", "predicted_s"):
-            times = np.array([s[field] for s in chosen]) * 1e3
-            slopes.append(float(np.linalg.lstsq(columns, times, rcond=None)[0][2]))
+    for name, chosen, (measured, model) in bucket_slopes(steps, ("target_s", "predicted_s")):
         verified = sum(s["verified"] for s in chosen)
-        out.append({"requests": f"{low}-{high}" if high > low else str(low), "steps": len(chosen),
-                    "verified": verified / len(chosen), "context": sum(s["context"][1] for s in chosen) / max(verified, 1),
-                    "measured": slopes[0], "model": slopes[1]})  # fmt: skip
+        out.append({"requests": name, "steps": len(chosen), "verified": verified / len(chosen),
+                    "context": sum(s["context"][1] for s in chosen) / max(verified, 1),
+                    "measured": measured, "model": model})  # fmt: skip
     return out
 
 
