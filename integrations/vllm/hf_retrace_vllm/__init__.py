@@ -6,7 +6,7 @@ With it installed, `LLM(model=TARGET, speculative_config={"method": "dflash", "m
 are verified; ReTrace conditioning). Folders without an `hf_retrace` block run vLLM's own DFlash path untouched.
 """
 
-from .patches import SUPPORTED_VLLM, UnsupportedVllmError
+from .contract import SUPPORTED_VLLM, UnsupportedVllmError
 from .stats import STATS_ENV, read_stats
 
 

@@ -6,7 +6,7 @@ keeps the retained rejected suffix of a drafted block (slots `j = n+2 .. m`, `L 
 features at verification rows `j-1`: the conditioning of the next block's mask slots `1..L` (the same slots as the
 transformers side's `build_rejected_trajectory`, with `B` there being the verified length `m+1`).
 
-These functions read vLLM's runner state (`input_batch`, `requests`); `patches.PRIVATE_ATTRIBUTES` lists every name
+These functions read vLLM's runner state (`input_batch`, `requests`); `contract.PRIVATE_ATTRIBUTES` lists every name
 they read, checked when the proposer is built.
 """
 

@@ -1,8 +1,8 @@
 """The drafter's part of an engine step, on vLLM's DFlash machinery: the inputs of the step's `R` context rows,
 and the block forward (anchor + `B-1` mask slots a request) with its greedy drafts.
 
-The context rows of steps without a block forward are kept and written later (context_kv.py). `patches.HOOKS` and
-`patches.PRIVATE_ATTRIBUTES` list the vLLM methods and buffers used here.
+The context rows of steps without a block forward are kept and written later (context_kv.py). `contract.HOOKS` and
+`contract.PRIVATE_ATTRIBUTES` list the vLLM methods and buffers used here.
 """
 
 import numpy as np

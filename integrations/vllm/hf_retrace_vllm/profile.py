@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.forward_context import set_forward_context
 
-from . import patches
+from .contract import check_attributes
 from .logs import get_logger
 
 
@@ -36,6 +36,7 @@ logger = get_logger(__name__)
 PROFILE_ENV = "HF_RETRACE_VLLM_PROFILE"
 TARGET_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
 DRAFTER_BLOCKS = (1, 2, 4, 8, 16)
+REPEATS = 5  # timed rounds over every size, after one untimed call each
 
 
 @dataclass
@@ -82,7 +83,7 @@ def _without_drafter_dummy_run(drafter):
         del drafter.dummy_run  # back to the class's method
 
 
-def target_samples(runner, rows=TARGET_ROWS, repeats: int = 5) -> list[tuple[int, float]]:
+def target_samples(runner, rows=TARGET_ROWS, repeats: int = REPEATS) -> list[tuple[int, float]]:
     """`(R, seconds)` of the target's step for `R` rows: a uniform spec-decode dummy batch and its logits."""
     per_request = runner.uniform_decode_query_len  # 1 + K
     most = min(runner.max_num_tokens, runner.scheduler_config.max_num_seqs * per_request)
@@ -96,7 +97,7 @@ def target_samples(runner, rows=TARGET_ROWS, repeats: int = 5) -> list[tuple[int
         return interleaved_medians(runs, repeats)
 
 
-def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = 5) -> list[tuple[int, float]]:
+def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = REPEATS) -> list[tuple[int, float]]:
     """`(S, seconds)` of the drafter's block forward of `S` slots (no attention metadata: vLLM's dummy-forward
     way, so its context attention is not in the samples) and the logits of `k` drafts a block."""
     block, drafts = proposer.policy.block_size, proposer.num_drafts_verified
@@ -115,7 +116,7 @@ def drafter_samples(proposer, blocks=DRAFTER_BLOCKS, repeats: int = 5) -> list[t
 
 def profile_step_costs(runner) -> StartupProfile:
     """Times the target and the drafter (module docstring) on `runner`, whose drafter is the hf-retrace proposer."""
-    patches.check_attributes(runner, "loaded GPUModelRunner")
+    check_attributes(runner, "loaded GPUModelRunner")
     start = time.perf_counter()
     profile = StartupProfile(target_samples(runner), drafter_samples(runner.drafter))
     profile.seconds = time.perf_counter() - start
@@ -125,17 +126,3 @@ def profile_step_costs(runner) -> StartupProfile:
         ", ".join(f"S={n} {s * 1e3:.1f} ms" for n, s in profile.drafter),
     )  # fmt: skip
     return profile
-
-
-def profile_after_warm_up(worker) -> None:
-    """Called after a CPU worker's `compile_or_warm_up_model`: profiles the step costs and hands them to the
-    hf-retrace proposer (`startup_profile`, and its step-cost model, costs.py), unless disabled, the drafter is not
-    hf-retrace's, or the proposer's cost model came from this host's cache file."""
-    from .proposer import ReTraceDFlashProposer
-
-    runner = worker.model_runner
-    drafter = getattr(runner, "drafter", None)
-    if not (is_enabled() and isinstance(drafter, ReTraceDFlashProposer)) or drafter.costs.source == "cache":
-        return
-    drafter.startup_profile = profile_step_costs(runner)
-    drafter.costs.use_profile(drafter.startup_profile.target, drafter.startup_profile.drafter)

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from . import patches
 from .bookkeeping import (
     Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, prefill_left, read_step_batch,
     retained_suffix, verifies_previous,
 )  # fmt: skip
 from .context_kv import DeferredContextKV
+from .contract import check_attributes
 from .costs import EngineCosts, key_from_vllm_config, step_costs
 from .drafter_run import block_forward, context_rows, greedy_drafts, prepare_block_inputs
 from .logs import get_logger
@@ -57,9 +57,9 @@ class ReTraceDFlashProposer(DFlashProposer):
 
     def __init__(self, vllm_config, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        patches.check_attributes(self, "DFlashProposer")  # a renamed vLLM attribute fails here, at start-up
-        patches.check_attributes(runner, "GPUModelRunner")
-        patches.check_attributes(runner.input_batch, "InputBatch")
+        check_attributes(self, "DFlashProposer")  # a renamed vLLM attribute fails here, at start-up
+        check_attributes(runner, "GPUModelRunner")
+        check_attributes(runner.input_batch, "InputBatch")
         self.runner = runner
         self.policy = DraftPolicy.from_hf_config(self.draft_model_config.hf_config)
         self.max_verified = self.speculative_config.num_speculative_tokens  # K
@@ -125,8 +125,8 @@ class ReTraceDFlashProposer(DFlashProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        patches.check_attributes(self.model, "DFlashQwen3ForCausalLM")
-        patches.check_attributes(self.model.model, "DFlashQwen3Model")
+        check_attributes(self.model, "DFlashQwen3ForCausalLM")
+        check_attributes(self.model.model, "DFlashQwen3Model")
 
     @property
     def online_datastore(self) -> OnlineDatastore | None:

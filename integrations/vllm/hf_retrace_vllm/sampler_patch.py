@@ -26,18 +26,7 @@ import functools
 
 import torch
 
-
-MODULE = "vllm.v1.sample.rejection_sampler"
-# (module, attribute, parameters relied on, in order), pinned by patches.check()
-HOOKS = (
-    (MODULE, "expand_batch_to_tokens", ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
-    (MODULE, "rejection_sample", (
-        "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
-        "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode", "synthetic_conditional_rates",
-        "use_fp64_gumbel")),
-    (MODULE, "generate_uniform_probs", ("num_tokens", "num_draft_tokens", "generators", "device")),
-)
-_MARK = "_hf_retrace_patched"
+from .contract import MARK, SAMPLER_MODULE
 
 
 def install() -> None:
@@ -45,12 +34,12 @@ def install() -> None:
     `RejectionSampler.forward` and `apply_sampling_constraints` look both up as module globals at call time."""
     import importlib
 
-    module = importlib.import_module(MODULE)
+    module = importlib.import_module(SAMPLER_MODULE)
     for name, wrap in (("expand_batch_to_tokens", _wrap_expand), ("rejection_sample", _wrap_rejection_sample)):
         original = getattr(module, name)
-        if not getattr(original, _MARK, False):
+        if not getattr(original, MARK, False):
             patched = wrap(original)
-            setattr(patched, _MARK, True)
+            setattr(patched, MARK, True)
             setattr(module, name, patched)
 
 

@@ -7,18 +7,18 @@ import types
 import pytest
 
 import hf_retrace_vllm
-from hf_retrace_vllm import patches
+from hf_retrace_vllm import contract, patches
 
 
 def test_supported_version_passes():
-    patches.check()  # the installed vLLM is the pinned one
+    contract.check()  # the installed vLLM is the pinned one
 
 
 def test_other_version_is_a_clear_error(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(patches.UnsupportedVllmError, match=r"supports vLLM 0\.32\.0 only \(found 0\.33\.0\)"):
+    with pytest.raises(contract.UnsupportedVllmError, match=r"supports vLLM 0\.32\.0 only \(found 0\.33\.0\)"):
         hf_retrace_vllm.register()
 
 
@@ -26,16 +26,16 @@ def test_missing_hook_is_a_clear_error(monkeypatch):
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     monkeypatch.delattr(DFlashProposer, "build_model_inputs_first_pass")
-    with pytest.raises(patches.UnsupportedVllmError, match=r"0\.32\.0.*build_model_inputs_first_pass is missing"):
-        patches.check()
+    with pytest.raises(contract.UnsupportedVllmError, match=r"0\.32\.0.*build_model_inputs_first_pass is missing"):
+        contract.check()
 
 
 def test_changed_signature_is_a_clear_error(monkeypatch):
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     monkeypatch.setattr(DFlashProposer, "set_inputs_first_pass", lambda self, token_ids, cad: None)
-    with pytest.raises(patches.UnsupportedVllmError, match=r"set_inputs_first_pass takes \('self', 'token_ids'"):
-        patches.check()
+    with pytest.raises(contract.UnsupportedVllmError, match=r"set_inputs_first_pass takes \('self', 'token_ids'"):
+        contract.check()
 
 
 def test_install_is_idempotent():
@@ -46,7 +46,7 @@ def test_install_is_idempotent():
     init, lookahead = GPUModelRunner.__init__, VllmConfig.__dict__["num_lookahead_tokens"]
     hf_retrace_vllm.register()
     assert GPUModelRunner.__init__ is init and VllmConfig.__dict__["num_lookahead_tokens"] is lookahead
-    assert getattr(init, patches._MARK) and getattr(lookahead.fget, patches._MARK)
+    assert getattr(init, contract.MARK) and getattr(lookahead.fget, contract.MARK)
     assert getattr(init, "__wrapped__").__qualname__ == "GPUModelRunner.__init__"  # one wrapper, not two
 
 
