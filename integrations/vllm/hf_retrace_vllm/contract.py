@@ -63,6 +63,9 @@ HOOKS = (
      ("self", "num_tokens", "cudagraph_runtime_mode", "force_attention", "uniform_decode")),
     ("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", ("self",)),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", None),
+    # the waiting prompt rows the next step may admit (scheduler_queue.py)
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "throttle_prefills")),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", ("self", "scheduler_output")),
 )
 
 # Attributes vLLM sets on its objects at run time, which the proposer, its bookkeeping, the drafter run and the
@@ -82,6 +85,9 @@ PRIVATE_ATTRIBUTES = {
     "InputBatch": ("req_ids", "num_tokens_no_spec", "num_computed_tokens_cpu", "token_ids_cpu"),
     "DFlashQwen3ForCausalLM": ("config", "model", "lm_head", "logits_processor", "draft_id_to_target_id"),  # loaded
     "DFlashQwen3Model": ("embed_input_ids", "hidden_norm"),
+    "Scheduler": (
+        "running", "waiting", "kv_holding_waiting", "max_num_active_reqs", "num_waiting_for_streaming_input",
+    ),  # read after each schedule (scheduler_queue.py)
 }  # fmt: skip
 ASSIGNED = (
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.__init__", ("sampling_params",)),

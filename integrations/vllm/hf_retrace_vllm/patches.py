@@ -16,12 +16,15 @@ Hook points (vLLM 0.32.0):
    at run time.
 4. `CPUWorker.compile_or_warm_up_model`: after vLLM's warm-up, an hf-retrace proposer gets its start-up profile of
    step costs (profile.py; skipped with `HF_RETRACE_VLLM_PROFILE=0`).
+5. `Scheduler.schedule` and `GPUModelRunner.execute_model`: each `SchedulerOutput` carries the prompt rows of the
+   waiting requests the next step may admit, and an hf-retrace proposer gets them before the step runs
+   (scheduler_queue.py). Read-only: the schedule and the step are unchanged.
 """
 
 import functools
 import inspect
 
-from . import sampler_patch
+from . import sampler_patch, scheduler_queue
 from .contract import MARK, check
 
 
@@ -46,6 +49,7 @@ def install() -> None:
         VllmConfig.num_lookahead_tokens = property(_mark(_wrap_lookahead(lookahead.fget)), doc=lookahead.__doc__)
     sampler_patch.install()
     _install_startup_profile()
+    _install_scheduler_queue()
 
 
 def _install_startup_profile() -> None:
@@ -63,6 +67,33 @@ def _install_startup_profile() -> None:
         return times
 
     CPUWorker.compile_or_warm_up_model = _mark(compile_or_warm_up_model)
+
+
+def _install_scheduler_queue() -> None:
+    """`Scheduler.schedule` counts the waiting prompt rows into its output; `GPUModelRunner.execute_model` hands them
+    to an hf-retrace proposer (scheduler_queue.py)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(Scheduler.schedule, MARK, False):
+        schedule = Scheduler.schedule
+
+        @functools.wraps(schedule)
+        def counting_schedule(self, *args, **kwargs):
+            output = schedule(self, *args, **kwargs)
+            scheduler_queue.record(self, output)
+            return output
+
+        Scheduler.schedule = _mark(counting_schedule)
+    if not getattr(GPUModelRunner.execute_model, MARK, False):
+        execute_model = GPUModelRunner.execute_model
+
+        @functools.wraps(execute_model)
+        def handing_execute_model(self, scheduler_output, *args, **kwargs):
+            scheduler_queue.hand_over(self, scheduler_output)
+            return execute_model(self, scheduler_output, *args, **kwargs)
+
+        GPUModelRunner.execute_model = _mark(handing_execute_model)
 
 
 def _mark(func):

@@ -36,6 +36,7 @@ from .bookkeeping import (
     Pending, StepBatch, block_conditioning, committed_tokens, drop_finished, prefill_left, read_step_batch,
     retained_suffix, verifies_previous,
 )  # fmt: skip
+from . import scheduler_queue
 from .context_kv import DeferredContextKV
 from .contract import check_attributes
 from .costs import EngineCosts, key_from_vllm_config, step_costs
@@ -110,6 +111,9 @@ class ReTraceDFlashProposer(DFlashProposer):
         self._request_ended = False
         self._writes_stats = bool(os.environ.get(STATS_ENV))  # fixed for the engine process's life
         self.context_kv = DeferredContextKV(self.max_num_tokens)  # the drafter's context rows, written when due
+        # prompt rows of the scheduler's waiting requests the next step may admit, from this step's SchedulerOutput
+        # (patches.py sets it before the step runs; scheduler_queue.py)
+        self.waiting_prefill_rows = 0
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -198,7 +202,10 @@ class ReTraceDFlashProposer(DFlashProposer):
             if cap > 0:
                 requests.append((req_id, tokens, cap))
                 anchors[req_id] = (i, len(tokens) - 1)
-        plan = self.speculation.plan(requests, prefill_left(self.runner.input_batch, step))
+        started = prefill_left(self.runner.input_batch, step)
+        waiting = scheduler_queue.competing_rows(self.waiting_prefill_rows, started, step.size, max_verified,
+                                                 self.speculation.max_rows)  # fmt: skip
+        plan = self.speculation.plan(requests, started + waiting)
         drafting: dict[int, int] = {}  # batch index -> most drafts to verify
         for req_id, (i, anchor) in anchors.items():
             action = plan.action(req_id)
