@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from hf_retrace import ReTraceDrafterModel
 from hf_retrace.models.datastore_file_retrace import DATASTORE_FILE, load_datastore_file, save_datastore_file
+from hf_retrace.models import lookup_retrace
 from hf_retrace.models.lookup_retrace import SEPARATOR, NgramDatastore, _suffix_keys, _window_keys
 
 
@@ -49,6 +50,22 @@ def test_datastore_walks_the_most_frequent_next_token_of_the_longest_ngram():
             assert _reference_next(responses, context, [4, 3, 2]) is None, (context, proposed)
         lengths[len(proposed)] += 1
     assert lengths[0] > 10 and lengths[3] > 250, lengths  # both ends of the walk were checked
+
+
+def test_memoised_walks_match_fresh_ones_and_the_memo_stays_bounded(monkeypatch):
+    """A walk step depends on the context's last `max_ngram_size` tokens only, so answers are memoised on them: with
+    a memo of 8 contexts (cleared when full), walks asked twice, in any order, equal those of a fresh index."""
+    rng = random.Random(1)
+    responses = [[rng.randrange(6) for _ in range(rng.randrange(1, 30))] for _ in range(100)]
+    contexts = [[rng.randrange(6) for _ in range(rng.randrange(1, 9))] for _ in range(200)]
+    monkeypatch.setattr(lookup_retrace, "MEMO_SIZE", 8)
+    index = NgramDatastore(_flat(responses), num_tokens=4, max_ngram_size=4, min_ngram_size=2)
+    first = [index.candidates(np.array(c)) for c in contexts]
+    assert 0 < len(index._memo) <= 8
+    again = [index.candidates(np.array(c)) for c in reversed(contexts)][::-1]
+    fresh = [NgramDatastore(_flat(responses), 4, 4, 2).candidates(np.array(c)) for c in contexts[:20]]
+    assert first == again and first[:20] == fresh
+    assert sum(walk is not None and len(walk) == 4 for walk in first) > 50  # the walks were long enough to check
 
 
 def test_suffix_keys_are_the_table_keys():

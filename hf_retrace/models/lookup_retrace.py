@@ -94,6 +94,9 @@ def _suffix_keys(tokens: list[int], sizes: list[int]) -> dict[int, int]:
     return out
 
 
+MEMO_SIZE = 2**14  # contexts an `NgramDatastore` remembers the next token of (~4 MB at most)
+
+
 class NgramDatastore:
     """Index of `(n-gram -> most frequent next token)` over a fixed token corpus, for n in
     `[min_ngram_size, max_ngram_size]`; built once (a few sorts: seconds for 4 sizes of 1.75M tokens on one core).
@@ -119,6 +122,9 @@ class NgramDatastore:
         self.token_ids = np.asarray(token_ids).astype(np.int64)
         self.ngram_sizes = list(range(max_ngram_size, min_ngram_size - 1, -1))
         self.tables = self._build()
+        # `_next` of a context depends on its last `max_ngram_size` tokens only, and the index never changes: walks
+        # of consecutive steps of a request (and of requests that share text) ask the same contexts again
+        self._memo: dict[tuple, tuple[int | None, int]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +157,17 @@ class NgramDatastore:
         return self._next(context)[0]
 
     def _next(self, context: list[int]) -> tuple[int | None, int]:
-        """`(next_token(context), n)`: with the size of the n-gram matched (`(None, 0)` when none is)."""
+        """`(next_token(context), n)`: with the size of the n-gram matched (`(None, 0)` when none is), memoised on
+        the context's last `max_ngram_size` tokens (at most `MEMO_SIZE` of them, then the memo starts over)."""
+        key = tuple(context[-self.ngram_sizes[0] :])
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            found = self._memo[key] = self._lookup(context)
+        return found
+
+    def _lookup(self, context: list[int]) -> tuple[int | None, int]:
         keys = _suffix_keys(context, self.ngram_sizes)  # only the sizes the context is long enough for
         for n in self.ngram_sizes:
             if n not in keys:
