@@ -10,7 +10,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from conftest import lossless_call_with, make_drafter, make_target, random_prompt
 from hf_retrace.bench.replay import target_features
 from hf_retrace.models.generation_retrace import ReTraceCandidateGenerator
-from hf_retrace.models.lookup_retrace import prompt_lookup
+from hf_retrace.models.lookup_retrace import prompt_lookup, prompt_lookup_match
 
 
 def _lookup(ids, num_tokens=3, max_size=3, min_size=1):
@@ -46,6 +46,28 @@ def test_lookup_matches_transformers_prompt_lookup():
         assert (got if got is not None else []) == expected, ids.tolist()
         found += got is not None
     assert found > 100  # most random 4-token sequences have a recurring n-gram, so both branches were compared
+
+
+def _brute_force_match(ids: list[int], num_tokens: int, max_size: int, min_size: int):
+    for n in range(min(max_size, len(ids) - 1), min_size - 1, -1):
+        for start in range(len(ids) - n):  # windows ending at len - 2 at the latest: a token follows each
+            if ids[start : start + n] == ids[-n:]:
+                return ids[start + n : start + n + num_tokens], n
+    return None, 0
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_lookup_matches_whole_tokens_only(dtype):
+    """The match searches the tokens' bytes: ids whose bytes line up across two tokens (0, 1, 256, 2^16, 2^24, ...)
+    must not match there, at either width."""
+    rng = np.random.default_rng(0)
+    values = np.array([0, 1, 256, 2**16, 2**24, 2**30 + 5, 49151], dtype=dtype)
+    for _ in range(3000):
+        ids = rng.choice(values, int(rng.integers(1, 14)))
+        max_size = int(rng.integers(1, 5))
+        min_size = int(rng.integers(1, max_size + 1))
+        expected = _brute_force_match(ids.tolist(), 4, max_size, min_size)
+        assert prompt_lookup_match(ids, 4, max_size, min_size) == expected, (ids.tolist(), max_size, min_size)
 
 
 @pytest.mark.parametrize("bad, message", [
