@@ -2,7 +2,9 @@
 byte budget (whose estimate is checked against tracemalloc), frees finished and aborted requests, never proposes
 past `max_tokens`, stays sub-millisecond at the bound, and refuses a file written for another vocabulary."""
 
+import collections
 import gc
+import random
 import time
 import tracemalloc
 
@@ -46,6 +48,52 @@ def test_the_path_probability_floor_sets_the_length():
     assert store.propose("q", [1], 5, min_probability=0.5).tokens == [2, 3]
     assert store.propose("q", [1], 5, min_probability=0.6).tokens == [2]
     assert store.propose("q", [1], 5, min_probability=0.8).tokens == []
+
+
+def _brute_force_walk(own, responses, context, sizes, max_tokens, floor):
+    """The walk by counting: the longest n-gram ending the context in the request's own tokens or the responses,
+    its most frequent continuation over both (ties: the smallest id), while the path probability stays >= floor."""
+    out, probabilities, path = [], [], 1.0
+    while len(out) < max_tokens:
+        counts = collections.Counter()
+        for n in reversed(sizes):
+            if n <= len(context):
+                counts = collections.Counter(seq[i] for seq in [own, *responses] for i in range(n, len(seq))
+                                             if seq[i - n : i] == context[-n:])  # fmt: skip
+            if counts:
+                break
+        if not counts:
+            break
+        token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
+        if path * count / sum(counts.values()) < floor:
+            break
+        path *= count / sum(counts.values())
+        out.append(token)
+        probabilities.append(count / sum(counts.values()))
+        context = context + [token]
+    return out, probabilities
+
+
+def test_the_walk_is_the_counts_of_both_indexes_merged():
+    """Against counting by hand: a request's own prompt and tokens and the finished responses, merged per n-gram,
+    one continuation or several (packed or not), on a 4-token alphabet where n-grams recur and ties happen."""
+    rng = random.Random(0)
+    store = OnlineDatastore(min_ngram_size=2, max_ngram_size=4)
+    responses = []
+    for i in range(30):
+        prompt, response = [rng.randrange(4) for _ in range(5)], [rng.randrange(4) for _ in range(rng.randrange(2, 9))]
+        _serve(store, i, prompt, response)
+        responses.append(response)
+    walked = 0
+    for j in range(200):
+        own = [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+        store.start(("q", j), own)
+        found = store.propose(("q", j), own, max_tokens=6, min_probability=0.05)
+        tokens, probabilities = _brute_force_walk(own, responses, own, [2, 3, 4], 6, 0.05)
+        assert found.tokens == tokens and found.probabilities.tolist() == pytest.approx(probabilities), (own, j)
+        walked += len(tokens) > 1
+        store.abort(("q", j))
+    assert walked > 50
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3, -2])

@@ -89,12 +89,6 @@ class _NgramIndex:
                 if n <= i:
                     self._decrement(self.tables[n], hash(tuple(tokens[i - n : i])), tokens[i])
 
-    def counts(self, key: int, n: int) -> dict[int, int] | None:
-        value = self.tables[n].get(key)
-        if value is None or isinstance(value, dict):
-            return value
-        return {value >> _COUNT_BITS: value & _COUNT_MASK}
-
     def _increment(self, table: dict, key: int, token: int) -> None:
         value = table.get(key)
         if value is None:
@@ -229,19 +223,26 @@ class OnlineDatastore:
     def num_responses(self) -> int:
         return len(self._responses)
 
-    def _longest(self, request: _Request | None, context: list[int]) -> tuple[int, dict[int, int]] | None:
-        """The longest n-gram ending the context that either index knows, with its merged continuation counts."""
+    def _longest(self, request: _Request | None, context: list[int]) -> tuple[int, int, int, int] | None:
+        """`(n, token, count, total)`: the longest n-gram ending the context that either index knows, its most
+        frequent continuation over both (ties: the smallest token id), that continuation's count and the n-gram's."""
         for n in reversed(self._sizes):
             if n > len(context):
                 continue
             key = hash(tuple(context[-n:]))
-            mine = request.index.counts(key, n) if request is not None else None
-            theirs = self._global.counts(key, n)
-            if mine or theirs:
-                merged = dict(theirs or {})
-                for token, count in (mine or {}).items():
-                    merged[token] = merged.get(token, 0) + count
-                return n, merged
+            mine = request.index.tables[n].get(key) if request is not None else None
+            theirs = self._global.tables[n].get(key)
+            if mine is None and theirs is None:
+                continue
+            if type(mine) is not dict and type(theirs) is not dict:  # packed ints: no dict to build
+                if mine is None or theirs is None or mine >> _COUNT_BITS == theirs >> _COUNT_BITS:
+                    count = ((mine or 0) & _COUNT_MASK) + ((theirs or 0) & _COUNT_MASK)  # a packed value is never 0
+                    return n, (theirs if mine is None else mine) >> _COUNT_BITS, count, count
+            merged = dict(_unpacked(theirs))
+            for token, count in _unpacked(mine).items():
+                merged[token] = merged.get(token, 0) + count
+            token, count = max(merged.items(), key=lambda item: (item[1], -item[0]))
+            return n, token, count, sum(merged.values())
         return None
 
     def propose(self, request_id, tokens, max_tokens: int, min_probability: float = 0.1) -> OnlineProposal:
@@ -258,9 +259,8 @@ class OnlineDatastore:
             found = self._longest(request, context)
             if found is None:
                 break
-            n, counts = found
-            token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
-            probability = count / sum(counts.values())
+            n, token, count, total = found
+            probability = count / total
             if path * probability < min_probability:
                 break
             path *= probability
@@ -304,6 +304,13 @@ class OnlineDatastore:
         for chunk in np.split(tokens, np.cumsum(lengths)[:-1]) if lengths.size else []:
             store._add_response(array("i", chunk.tolist()))
         return store
+
+
+def _unpacked(value) -> dict[int, int]:
+    """A table's value as `{token: count}`: a dict as it is, a packed int unpacked, `None` empty."""
+    if value is None:
+        return {}
+    return value if isinstance(value, dict) else {value >> _COUNT_BITS: value & _COUNT_MASK}
 
 
 def _checked(tokens) -> list[int]:
