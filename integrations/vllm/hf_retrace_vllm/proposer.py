@@ -114,6 +114,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         # prompt rows of the scheduler's waiting requests the next step may admit, from this step's SchedulerOutput
         # (patches.py sets it before the step runs; scheduler_queue.py)
         self.waiting_prefill_rows = 0
+        self._counted_waiting = 0  # what of it the last plan counted (competing_rows): for the step log
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -206,6 +207,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         waiting = scheduler_queue.competing_rows(self.waiting_prefill_rows, started, step.size, max_verified,
                                                  self.speculation.max_rows)  # fmt: skip
         plan = self.speculation.plan(requests, started + waiting)
+        self._counted_waiting = waiting
         drafting: dict[int, int] = {}  # batch index -> most drafts to verify
         for req_id, (i, anchor) in anchors.items():
             action = plan.action(req_id)
@@ -367,7 +369,7 @@ class ReTraceDFlashProposer(DFlashProposer):
             predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context, split[0]))
             verifying = step.num_verifying(1 + self.max_verified)
             self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted, self._step_committed,
-                                verifying)  # fmt: skip
+                                verifying, self._counted_waiting)  # fmt: skip
         self.costs.observe(self.last_step, self.speculation.step_time)
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:

@@ -120,6 +120,7 @@ def test_step_log_lines_add_up(engine_run):
         assert (line["verifying"] > 0) == (line["verified"] > 0)
     for line in lines:
         assert 0 <= line["policy_s"] + line["context_kv_s"] <= line["propose_s"] <= line["target_s"] + line["drafter_s"]
+        assert line["waiting_rows"] == 0  # every prompt of this run was admitted at once: nothing queued
 
 
 def _grows(samples) -> bool:

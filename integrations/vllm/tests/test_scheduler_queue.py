@@ -3,12 +3,13 @@ admit (the request slots left), requests holding KV blocks first, each with the 
 where they compete with verification for the step's token budget. No engine starts here; the engine tests
 (test_proposer_steps.py) run the patched schedule on vLLM's own scheduler every step."""
 
+import json
 import types
 
 import pytest
 
 import hf_retrace_vllm
-from hf_retrace_vllm import contract, scheduler_queue
+from hf_retrace_vllm import contract, scheduler_queue, steps
 
 
 def _request(num_tokens, num_computed=0):
@@ -76,15 +77,16 @@ def test_the_count_travels_on_the_output_to_an_hf_retrace_proposer_only():
 
 
 def test_an_engine_hands_the_count_of_its_queue_to_the_proposer(target, tmp_path, monkeypatch):
-    """Two request slots and a 32-row budget, four prompts of ~50 tokens: the prompts queue, a step's budget cannot
-    hold a waiting prompt beside a verifying request: every step's output carries the count to the proposer, whose plan
-counts it."""
+    """Four request slots and a 64-row budget, four prompts of ~150 tokens: the prompts queue behind the budget, and
+    every step's output carries the count of their rows to the proposer, whose plan counts them (they do not fit
+    beside the verifying requests) and whose step log records what it counted."""
     from test_lossless_random import write_drafter
 
     from conftest import PROMPTS, close_llm, greedy, make_llm
 
     write_drafter(tmp_path / "drafter", plain=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where the spy is
+    monkeypatch.setenv(steps.STEP_LOG_ENV, str(tmp_path / "steps.jsonl"))
     seen, counted = [], []
     hand_over, competing_rows = scheduler_queue.hand_over, scheduler_queue.competing_rows
 
@@ -99,14 +101,16 @@ counts it."""
     monkeypatch.setattr(scheduler_queue, "hand_over", spy)
     monkeypatch.setattr(scheduler_queue, "competing_rows", counting)
     spec = {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3}
-    llm = make_llm(target, spec, max_num_seqs=2, max_num_batched_tokens=32)
+    llm = make_llm(target, spec, max_num_seqs=4, max_num_batched_tokens=64)
     try:
-        outputs = greedy(llm, [prompt * 3 for prompt in PROMPTS], max_tokens=8)
+        outputs = greedy(llm, [prompt * 8 for prompt in PROMPTS], max_tokens=8)
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         assert hasattr(runner.drafter, "waiting_prefill_rows")
     finally:
         close_llm(llm)
     assert all(len(tokens) == 8 for tokens in outputs)
     assert seen and None not in seen  # every step's output carried a count
-    assert max(seen) > 32 and seen[-1] == 0  # a queued prompt longer than the budget; none left at the end
-    assert max(counted) > 0  # and the plan of a step counted it
+    assert max(seen) > 64 and seen[-1] == 0  # queued prompts longer than the budget; none left at the end
+    assert max(counted) > 0  # and the plan of a step counted it, as its line of the step log says
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [line["waiting_rows"] for line in lines] == counted[1:]  # a line a step after the first
