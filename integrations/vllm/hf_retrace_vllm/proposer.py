@@ -11,7 +11,9 @@ Each engine step, for every request in the batch (in this order):
    requests that left the runner. Then it plans the batch from the committed contexts: per request a lookup's
    tokens, the drafter, or nothing (`speculation_policy`: `"goodput"` weighs the step-cost model, `costs.py`,
    against calibrated acceptance, with the prompt rows still to prefill, which the next step carries within
-   `max_num_batched_tokens`; `"fixed"` takes the first source that proposes, else the drafter).
+   `max_num_batched_tokens`; `"fixed"` takes the first source that proposes, else the drafter). Under goodput, at
+   a load where plain steps measured faster than speculating ones, the step runs plain: no lookups, no plan, nothing
+   verified (`LoadFallback`, fallback.py).
 3. One drafter forward for the batch when any request drafts: the full trained block (anchor + `B-1` masks); the
    policy then picks how many of a request's drafts are verified from their top-1 probabilities (`num_drafts`).
    The target's features of every verified row go to the drafter's context K/V cache, lookup cycles included, so a
@@ -41,6 +43,7 @@ from .context_kv import DeferredContextKV
 from .contract import check_attributes
 from .costs import EngineCosts, key_from_vllm_config, step_costs
 from .drafter_run import block_forward, context_rows, greedy_drafts, prepare_block_inputs
+from .fallback import FALLBACK_ENV, PLAIN, LoadFallback
 from .logs import get_logger
 from .policy import DRAFTER, STATS_NAMES, DraftPolicy, check_token_budget, policy_sources
 from .profile import StartupProfile
@@ -115,6 +118,10 @@ class ReTraceDFlashProposer(DFlashProposer):
         # (patches.py sets it before the step runs; scheduler_queue.py)
         self.waiting_prefill_rows = 0
         self._counted_waiting = 0  # what of it the last plan counted (competing_rows): for the step log
+        # goodput: plain steps at a load where speculating measured slower (fallback.py); FALLBACK_ENV=0 turns it off
+        off = os.environ.get(FALLBACK_ENV, "1") == "0"
+        self.fallback = LoadFallback() if self.speculation.kind == "goodput" and not off else None
+        self._plain = False  # the plan made at this step was a plain one (the fallback's)
 
     def _size_for_block(self) -> None:
         """Re-sizes the DFlash query buffers for `B` query slots a request (the parent sized them for `1 + K`)."""
@@ -171,6 +178,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         )
         self._drop_finished()
         plan, proposals, drafting, retained = self._bookkeep_and_plan(step, context_features, max_verified)
+        # `plan` is None for a plain step (the fallback's): `drafting` is then empty
         drafting = self._fit_block(drafting, cad, step.req_ids)
         conditioning = self._conditioning(retained, drafting)
         self.clock.lap("policy")
@@ -203,6 +211,10 @@ class ReTraceDFlashProposer(DFlashProposer):
             if cap > 0:
                 requests.append((req_id, tokens, cap))
                 anchors[req_id] = (i, len(tokens) - 1)
+        self._plain = self.fallback is not None and self.fallback.choose(len(requests)) == PLAIN
+        if self._plain:  # no lookups, no plan: every request verifies nothing
+            self._counted_waiting = 0
+            return None, proposals, {}, retained
         started = prefill_left(self.runner.input_batch, step)
         waiting = scheduler_queue.competing_rows(self.waiting_prefill_rows, started, step.size, max_verified,
                                                  self.speculation.max_rows)  # fmt: skip
@@ -342,7 +354,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         model = self.costs.model
         if self._planned is not None:
             self.prediction.add(self._planned, self.last_step, step.req_ids, self._step_committed)
-        final = self.speculation.last_step
+        final = None if self._plain else self.speculation.last_step  # a plain step planned nothing
         self._planned = None
         if final is not None and final.requests:
             planned_ids = frozenset(r.request_id for r in final.requests)
@@ -355,6 +367,14 @@ class ReTraceDFlashProposer(DFlashProposer):
         self.stats.prediction = self.prediction.as_dict()
         self.stats.step_costs = {"source": self.costs.source, "context": list(model.context),
                                  "per_request": model.per_request}  # fmt: skip
+
+    def _observe_fallback(self, decode_only: bool) -> None:
+        """Gives the fallback this step's wall time and committed tokens (fallback.py); its state joins the stats."""
+        record = self.last_step
+        seconds = (record.engine_seconds or 0.0) + record.propose_seconds
+        self.fallback.observe(seconds, self._step_committed, record.decoding, decode_only)
+        if self._writes_stats:
+            self.stats.fallback = self.fallback.as_dict()
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:
         """Records the step's `StepRecord`, writes the counters (when a request ended, else at most every
@@ -369,8 +389,10 @@ class ReTraceDFlashProposer(DFlashProposer):
             predicted = float(self.costs.model.step_seconds(self.last_step.rows, 0, *context, split[0]))
             verifying = step.num_verifying(1 + self.max_verified)
             self.step_log.write(self.last_step, split, step_costs(self.last_step), predicted, self._step_committed,
-                                verifying, self._counted_waiting)  # fmt: skip
-        self.costs.observe(self.last_step, self.speculation.step_time)
+                                verifying, self._counted_waiting, self._plain)  # fmt: skip
+        counted = self.costs.observe(self.last_step, self.speculation.step_time)  # False: the first or an idle step
+        if self.fallback is not None:
+            self._observe_fallback(counted and split[2] == 0)
         self.stats.record_step(self.last_step.timings())
         if self.online_datastore is not None:
             self.stats.record_online_datastore_bytes(self.online_datastore.nbytes())

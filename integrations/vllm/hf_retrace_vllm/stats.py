@@ -39,6 +39,9 @@ class ProposerStats:
         step_costs (`dict`, *optional*): where the goodput policy's step-cost model came from (`source`) and its
             learned context terms (`context`: `[a, c]`, seconds per context token of a request's first row and of
             its verified rows); `None` under the fixed policy.
+        fallback (`dict`, *optional*): the goodput policy's plain steps (`LoadFallback.as_dict()`: `plain_steps`,
+            `probes`, and per load bucket the arm in use and each arm's median ms per committed token); `None` when
+            it is off.
     """
 
     cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
@@ -51,6 +54,7 @@ class ProposerStats:
     online_datastore_bytes: int | None = None
     prediction: dict | None = None
     step_costs: dict | None = None
+    fallback: dict | None = None
     _last_write: float = field(default=float("-inf"), repr=False)
 
     def record(self, source: str, committed: int) -> None:

@@ -178,7 +178,8 @@ class StepLog:
     it learned from the step), `committed` (tokens the step committed over its requests), `verifying` (decoding
     requests that verified at least one proposed token), the proposer's own parts of `target_s`: `policy_s`,
     `context_kv_s` and `propose_s` (the whole `propose()`, the drafter included), and `waiting_rows` (the prompt rows
-    of requests queued in the scheduler that this step's plan, made for the next step, counted; scheduler_queue.py).
+    of requests queued in the scheduler that this step's plan, made for the next step, counted; scheduler_queue.py),
+    and `plain` (the plan made in this step was a plain one, fallback.py).
     """
 
     def __init__(self, path: str | None = None):
@@ -190,10 +191,10 @@ class StepLog:
         return self._file is not None
 
     def write(self, record: StepRecord, split: tuple[int, int, int], costs, predicted: float, committed: int,
-              verifying: int, waiting_rows: int = 0) -> None:  # fmt: skip
+              verifying: int, waiting_rows: int = 0, plain: bool = False) -> None:  # fmt: skip
         """Appends `record` (with `split = (decoding, verified, prefill_rows)`, `costs = (target_s, drafter_s)`, the
-        tokens the step `committed`, the requests `verifying` a proposal and the queued `waiting_rows` its plan
-        counted)."""
+        tokens the step `committed`, the requests `verifying` a proposal, the queued `waiting_rows` its plan counted
+        and whether that plan was `plain`)."""
         if self._file is None or costs is None:
             return
         line = {"rows": record.rows, "requests": record.requests, "decoding": split[0], "verified": split[1],
@@ -201,5 +202,5 @@ class StepLog:
                 "target_s": round(costs[0], 6), "drafter_s": round(costs[1], 6), "predicted_s": round(predicted, 6),
                 "committed": int(committed), "verifying": int(verifying), "policy_s": round(record.policy_seconds, 6),
                 "context_kv_s": round(record.context_kv_seconds, 6), "propose_s": round(record.propose_seconds, 6),
-                "waiting_rows": int(waiting_rows)}
+                "waiting_rows": int(waiting_rows), "plain": bool(plain)}
         self._file.write(json.dumps(line) + "\n")

@@ -5,7 +5,7 @@ this host's cache file, idle gaps are skipped, a file for another configuration 
 Then engines with `speculation_policy="goodput"` and the online datastore, on a random drafter: greedy output equals
 vLLM's plain greedy token for token, at batch 1 and with several requests at once, with the step costs forced cheap
 (rows and drafter slots almost free: every step drafts) and expensive (nothing pays: no proposal at all), and the
-online datastore frees the requests that finished.
+online datastore frees the requests that finished; and with the load fallback (fallback.py) holding every step plain.
 """
 
 import json
@@ -20,6 +20,7 @@ from conftest import PROMPTS, close_llm, greedy, make_llm
 from hf_retrace_vllm import STATS_ENV, proposer as proposer_module
 from hf_retrace_vllm.bookkeeping import StepBatch, prefill_left
 from hf_retrace_vllm.costs import WARM_STEPS, EngineCosts, bound_threads, engine_key
+from hf_retrace_vllm.fallback import FALLBACK_ENV, PLAIN, LoadFallback
 from hf_retrace_vllm.shared.cost_model_retrace import CostCurve, StepCostModel
 from hf_retrace_vllm.steps import STEP_LOG_ENV, PlannedStep, PredictionLedger, StepRecord
 
@@ -227,7 +228,8 @@ def test_goodput_with_learned_costs_is_lossless_and_frees_requests(target, goodp
 
 
 @pytest.mark.parametrize("forced", ["cheap", "expensive"])
-def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_short, engine_env, forced):
+def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_short, engine_env, forced, monkeypatch):
+    monkeypatch.setenv(FALLBACK_ENV, "0")  # the plan alone: with it on, plain steps would follow the measured times
     path = _force_costs(target, goodput_folder, CHEAP if forced == "cheap" else EXPENSIVE)
     outputs, proposer, stats = _run(target, goodput_folder, engine_env / "stats.json")
     assert proposer.costs.source.startswith("cache") and proposer.costs.path == path
@@ -237,6 +239,32 @@ def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_sho
         assert stats["drafter_forwards"] > 10 and stats["cycles"]["draft"] > 10, stats
     else:  # nothing pays: no proposal, no drafter forward
         assert stats["drafter_forwards"] == 0 and verified == 0, stats
+
+
+class AlwaysPlain(LoadFallback):
+    """A fallback whose every plan is plain (as at a load where plain steps measured faster)."""
+
+    def choose(self, requests: int) -> str:
+        self._arms.append(PLAIN if requests > 0 else None)
+        self.plain_steps += requests > 0
+        return PLAIN
+
+
+def test_plain_steps_of_the_fallback_are_lossless_and_propose_nothing(target, goodput_folder, plain_short, engine_env,
+                                                                      monkeypatch):  # fmt: skip
+    monkeypatch.setattr(proposer_module, "LoadFallback", AlwaysPlain)  # the engine runs in this process (engine_env)
+    _force_costs(target, goodput_folder, CHEAP)  # a plan would draft at every step
+    outputs, proposer, stats = _run(target, goodput_folder, engine_env / "stats.json")
+    assert outputs == plain_short
+    assert stats["drafter_forwards"] == 0 and sum(stats["cycles"].values()) == 0, stats
+    fallback = stats["fallback"]
+    assert fallback["plain_steps"] > MAX_TOKENS and fallback["probes"] == 0, fallback
+    # the plain steps' seconds per token are kept by load: one request alone, then all PROMPTS at once
+    kept = {key: load["ms_per_token"] for key, load in fallback["loads"].items()}
+    assert all(set(ms) == {PLAIN} and ms[PLAIN] > 0 for ms in kept.values()) and len(kept) >= 2, kept
+    assert proposer.speculation.last_step is None and proposer.prediction.steps == 0  # no plan was made
+    steps = [json.loads(line) for line in (engine_env / "steps.jsonl").read_text().splitlines()]
+    assert all(line["plain"] and line["verified"] == 0 for line in steps if line["decoding"]), steps
 
 
 # long prompts under a 64-row budget: chunked over several steps while other requests decode beside them

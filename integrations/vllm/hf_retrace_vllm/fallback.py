@@ -1,0 +1,153 @@
+"""Plain steps at a load where speculating measured slower: seconds per committed token, both ways, per load.
+
+The goodput plan prices its steps with the step-cost model. Where many requests run, that model can be off (on the
+2-core AVX-512 host at 32 running it priced a verified row at ~1.0 ms that cost ~1.6), and the proposer's own time
+(lookups and plan, ~9 ms a step there) is not in the plan's choice at all. Both can make speculating lose against
+the engine's plain steps where the plan cannot see it. `LoadFallback` measures instead of predicting: per load (the
+requests decoding, in quarter octaves), the engine's recent decode steps' seconds per committed token in two arms,
+`speculate` (the policy plans the step) and `plain` (no lookups, no plan, no drafter forward: each request verifies
+nothing and commits one token), and the policy plans only at loads where `speculate` is not the slower.
+
+The arm not in use is probed: `probe_steps` consecutive plans every `interval` plans at that load. The interval
+doubles each time a probe confirms the arm in use (up to `max_interval`) and starts again at `first_interval` when a
+probe changes it. An arm changes only when its median is faster by more than `margin`, so noise does not flip it.
+
+A step's wall time, as the proposer measures it, holds the verification of the plan made at the step before and the
+making of the next plan (`propose()`), so only a step whose two plans were of the same arm is a sample of that arm.
+
+Lossless either way: a plain step proposes nothing. The choice depends on step times and step counts, never on the
+tokens sampled, so sampling stays exact.
+"""
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+SPECULATE, PLAIN = "speculate", "plain"
+FALLBACK_ENV = "HF_RETRACE_VLLM_LOAD_FALLBACK"  # "0": off, every step the policy plans
+
+
+def load_key(requests: int) -> int:
+    """The load bucket of `requests` decoding: quarter octaves, `round(4 * log2(requests))` (8 -> 12, 32 -> 20)."""
+    return round(4 * math.log2(max(int(requests), 1)))
+
+
+def _other(arm: str) -> str:
+    return PLAIN if arm == SPECULATE else SPECULATE
+
+
+@dataclass
+class LoadArms:
+    """One load's state: the arm in use, its probe schedule, and each arm's last seconds per committed token."""
+
+    interval: int
+    arm: str = SPECULATE
+    since_probe: int = 0  # plans at this load since its last probe ended
+    samples: dict = field(default_factory=lambda: {SPECULATE: deque(maxlen=16), PLAIN: deque(maxlen=16)})
+
+    def medians(self) -> dict:
+        """`{arm: median seconds per committed token}` of the arms with samples."""
+        return {arm: statistics.median(s) for arm, s in self.samples.items() if s}
+
+
+class LoadFallback:
+    """Chooses, per engine step, whether the policy plans (`"speculate"`) or the step runs plain (module docstring).
+
+    Args:
+        first_interval (`int`, *optional*, defaults to 32): plans at a load before its first probe, and after a
+            probe that changed its arm.
+        max_interval (`int`, *optional*, defaults to 512): the longest interval between two probes of a load.
+        probe_steps (`int`, *optional*, defaults to 6): plans a probe makes in the other arm (the first step of a
+            run of an arm is no sample of it, see the module docstring: a probe adds `probe_steps - 1`).
+        min_samples (`int`, *optional*, defaults to 4): samples each arm needs before a probe may change the arm.
+        margin (`float`, *optional*, defaults to 0.02): how much faster (a fraction) the other arm's median must be.
+
+    Attributes:
+        plain_steps (`int`), probes (`int`): plans made plain, probes started.
+    """
+
+    def __init__(self, first_interval: int = 32, max_interval: int = 512, probe_steps: int = 6,
+                 min_samples: int = 4, margin: float = 0.02):  # fmt: skip
+        if not (1 <= first_interval <= max_interval and probe_steps >= 2 and 1 <= min_samples < probe_steps
+                and 0.0 <= margin < 1.0):  # fmt: skip
+            raise ValueError(
+                "LoadFallback needs 1 <= first_interval <= max_interval, probe_steps >= 2, 1 <= min_samples < "
+                f"probe_steps and 0 <= margin < 1; got first_interval={first_interval}, max_interval={max_interval}, "
+                f"probe_steps={probe_steps}, min_samples={min_samples}, margin={margin}"
+            )
+        self.first_interval, self.max_interval = int(first_interval), int(max_interval)
+        self.probe_steps, self.min_samples, self.margin = int(probe_steps), int(min_samples), float(margin)
+        self.loads: dict[int, LoadArms] = {}
+        self._probe: list | None = None  # [load key, arm, plans left]
+        self._arms = deque([None, None], maxlen=2)  # the arms of the last two plans, the older one verified now
+        self.plain_steps = self.probes = 0
+
+    def _load(self, key: int) -> LoadArms:
+        return self.loads.setdefault(key, LoadArms(self.first_interval))
+
+    def choose(self, requests: int) -> str:
+        """The arm of the plan made now for `requests` decoding requests (0: nothing to plan, `"speculate"`)."""
+        if requests <= 0:
+            self._arms.append(None)
+            return SPECULATE
+        key = load_key(requests)
+        arm = self._probing(key)
+        if arm is None:
+            load = self._load(key)
+            load.since_probe += 1
+            arm = load.arm
+            if load.since_probe >= load.interval:
+                arm = _other(load.arm)
+                self._probe = [key, arm, self.probe_steps - 1]
+                self.probes += 1
+        self._arms.append(arm)
+        self.plain_steps += arm == PLAIN
+        return arm
+
+    def _probing(self, key: int) -> str | None:
+        """The probe's arm while a probe of `key` has plans left; ends a probe (and decides) otherwise."""
+        if self._probe is None:
+            return None
+        probe_key, arm, left = self._probe
+        if probe_key == key and left > 0:
+            self._probe[2] -= 1
+            return arm
+        self._probe = None
+        self._decide(probe_key)
+        return None
+
+    def _decide(self, key: int) -> None:
+        """After a probe of `key`: the arm whose median is faster by more than `margin`, else the one in use."""
+        load = self._load(key)
+        load.since_probe = 0
+        if min(len(s) for s in load.samples.values()) < self.min_samples:
+            return  # a probe cut short by a change of load: nothing learned, the schedule stays
+        medians = load.medians()
+        challenger = _other(load.arm)
+        if medians[challenger] < (1.0 - self.margin) * medians[load.arm]:
+            load.arm, load.interval = challenger, self.first_interval
+        else:
+            load.interval = min(2 * load.interval, self.max_interval)
+
+    def observe(self, seconds: float, committed: int, requests: int, decode_only: bool) -> bool:
+        """One engine step's wall time (`seconds`, the proposer's part included) and the tokens it `committed` for
+        `requests` decoding. Kept as a sample of an arm when the step only decoded and the plan it verified and the
+        plan made in it were of that arm. Returns whether it was kept."""
+        older, newer = self._arms
+        if not decode_only or committed <= 0 or older is None or older != newer or seconds <= 0:
+            return False
+        self._load(load_key(requests)).samples[newer].append(float(seconds) / int(committed))
+        return True
+
+    def as_dict(self) -> dict:
+        """The counters and, per load bucket, the arm in use and each arm's median ms per committed token."""
+        loads = {}
+        for key, load in sorted(self.loads.items()):
+            medians = {arm: round(1e3 * m, 3) for arm, m in load.medians().items()}
+            loads[str(key)] = {"arm": load.arm, "interval": load.interval, "ms_per_token": medians}
+        return {"plain_steps": self.plain_steps, "probes": self.probes, "loads": loads}
+
+
+__all__ = ["FALLBACK_ENV", "PLAIN", "SPECULATE", "LoadFallback", "load_key"]

@@ -1,0 +1,121 @@
+"""The load fallback (hf_retrace_vllm/fallback.py): plain steps where speculating measured slower, per load."""
+
+import random
+
+import pytest
+
+from hf_retrace_vllm.fallback import PLAIN, SPECULATE, LoadFallback, load_key
+
+
+class Engine:
+    """A synthetic engine: at each load, an arm's verification (seconds, tokens committed) and the making of its plan
+    (seconds). A step's wall time is the verification of the previous plan plus the making of this one, as the
+    proposer measures it."""
+
+    def __init__(self, costs: dict, noise: float = 0.0, seed: int = 0):
+        self.costs, self.noise, self.rng = costs, noise, random.Random(seed)
+        self.previous = None
+
+    def step(self, fallback: LoadFallback, requests: int) -> str:
+        arm = fallback.choose(requests)
+        if self.previous is not None:
+            verify, committed, _ = self.costs[(self.previous, requests)]
+            seconds = (verify + self.costs[(arm, requests)][2]) * (1 + self.noise * self.rng.uniform(-1, 1))
+            fallback.observe(seconds, committed, requests, decode_only=True)
+        self.previous = arm
+        return arm
+
+
+# (verify seconds, tokens committed, plan-making seconds): at 1 request speculating commits 2.2 tokens in 50 ms where
+# a plain step commits 1 in 40 ms; at 32 running it commits 40 in 180 ms (4.75 ms a token with its 10 ms of policy)
+# where a plain step commits 32 in 120 ms (3.84 ms a token)
+COSTS = {
+    (SPECULATE, 1): (0.050, 2.2, 0.003), (PLAIN, 1): (0.040, 1, 0.0005),
+    (SPECULATE, 32): (0.180, 40, 0.010), (PLAIN, 32): (0.120, 32, 0.003),
+}  # fmt: skip
+
+
+def run(fallback, engine, requests, steps):
+    return [engine.step(fallback, requests) for _ in range(steps)]
+
+
+def test_speculation_stays_where_it_is_faster_and_the_plain_probes_thin_out():
+    fallback = LoadFallback()
+    arms = run(fallback, Engine(COSTS), 1, 2000)
+    load = fallback.loads[load_key(1)]
+    assert load.arm == SPECULATE and load.interval == fallback.max_interval
+    # probes of 6 plain plans after 32, 64, ... 512 speculating ones: under 3% of the plans
+    assert 0 < arms.count(PLAIN) == fallback.plain_steps < 0.03 * len(arms)
+    assert arms[:32] == [SPECULATE] * 31 + [PLAIN] and arms[32:37] == [PLAIN] * 5 and arms[37] == SPECULATE
+
+
+def test_plain_steps_where_speculating_is_slower_with_speculating_probes():
+    fallback = LoadFallback()
+    arms = run(fallback, Engine(COSTS), 32, 2000)
+    load = fallback.loads[load_key(32)]
+    assert load.arm == PLAIN
+    assert arms[37:].count(SPECULATE) < 0.03 * len(arms)  # after the first probe: plain but for thinning probes
+    medians = load.medians()
+    assert medians[PLAIN] == pytest.approx(0.123 / 32) and medians[SPECULATE] == pytest.approx(0.190 / 40)
+
+
+def test_each_load_keeps_its_own_arm():
+    fallback, engine = LoadFallback(), Engine(COSTS)
+    for _ in range(20):  # loads taking turns, long enough at each for its probes to end
+        run(fallback, engine, 1, 100)
+        run(fallback, engine, 32, 100)
+    assert fallback.loads[load_key(1)].arm == SPECULATE and fallback.loads[load_key(32)].arm == PLAIN
+
+
+def test_speculation_returns_when_it_becomes_faster():
+    fallback, engine = LoadFallback(), Engine(dict(COSTS))
+    run(fallback, engine, 32, 300)
+    assert fallback.loads[load_key(32)].arm == PLAIN
+    engine.costs[(SPECULATE, 32)] = (0.150, 56, 0.010)  # the requests turned repetitive: 2.86 ms a token
+    arms = run(fallback, engine, 32, 1200)
+    assert fallback.loads[load_key(32)].arm == SPECULATE and arms[-100:].count(SPECULATE) > 90
+
+
+def test_noise_within_the_margin_does_not_flip_the_arm():
+    even = {(SPECULATE, 8): (0.0555, 10, 0.0050), (PLAIN, 8): (0.048, 8, 0.0005)}  # 6.05 and 6.06 ms a token
+    fallback = LoadFallback()
+    run(fallback, Engine(even, noise=0.01, seed=3), 8, 3000)
+    load = fallback.loads[load_key(8)]
+    assert load.arm == SPECULATE and load.interval == fallback.max_interval
+
+
+def test_only_steps_whose_two_plans_share_an_arm_are_samples():
+    fallback = LoadFallback(first_interval=2, probe_steps=3, min_samples=2)
+    assert not fallback.observe(0.1, 2, 4, True)  # no plan yet
+    fallback.choose(4)
+    fallback.choose(4)  # the probe starts here: plain
+    assert not fallback.observe(0.1, 2, 4, True)  # verified a speculating plan, made a plain one
+    fallback.choose(4)
+    assert not fallback.observe(0.1, 4, 4, decode_only=False)  # a prefill in the step
+    assert not fallback.observe(0.1, 0, 4, True)  # nothing committed
+    assert fallback.observe(0.1, 4, 4, True)
+    assert list(fallback.loads[load_key(4)].samples[PLAIN]) == [pytest.approx(0.025)]
+    fallback.choose(0)  # nothing to plan: the next step is no sample
+    fallback.choose(4)
+    assert not fallback.observe(0.1, 4, 4, True)
+
+
+def test_a_probe_cut_short_by_a_change_of_load_decides_nothing():
+    fallback = LoadFallback(first_interval=4)
+    engine = Engine(COSTS)
+    arms = run(fallback, engine, 32, 5)
+    assert arms[-1] == PLAIN  # the probe began
+    run(fallback, engine, 1, 3)  # the load moved: the probe ends with one plain sample
+    load = fallback.loads[load_key(32)]
+    assert load.arm == SPECULATE and load.interval == 4 and load.since_probe == 0
+
+
+def test_load_buckets_are_quarter_octaves():
+    assert [load_key(n) for n in (1, 2, 8, 9, 16, 28, 32)] == [0, 4, 12, 13, 16, 19, 20]
+
+
+@pytest.mark.parametrize("kwargs", [{"first_interval": 0}, {"first_interval": 64, "max_interval": 32},
+                                    {"probe_steps": 1}, {"min_samples": 6}, {"margin": 1.0}])  # fmt: skip
+def test_bad_settings_are_a_clear_error(kwargs):
+    with pytest.raises(ValueError, match="LoadFallback needs"):
+        LoadFallback(**kwargs)
