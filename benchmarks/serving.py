@@ -225,7 +225,7 @@ def vllm_block(spec, config, mode, c, r, greedy, sampled, args, state) -> list[B
     worker = None
     try:
         max_num_seqs = c if args.schedule == "queue" else None  # batches: vLLM's default, above every batch
-        worker = VllmWorker(args.target, config, log, mode, args.vllm_threads_bind, state.preload_env,
+        worker = VllmWorker(args.target, config, log, mode, args.vllm_threads_bind, state.preload_env | spec.env,
                             args.max_model_len, max_num_seqs)  # fmt: skip
         state.note_worker(spec, mode, c, worker.info)
         return run_vllm_block(spec, worker, mode, c, r, greedy, sampled, args)

@@ -20,7 +20,8 @@ DEFAULT_NGRAM_TOKENS = 3
 class MethodSpec:
     """One `--methods` entry: `engine` is `hf` or `vllm`, `kind` one of ar, drafter, ngram, suffix, dflash;
     `num_speculative_tokens=None` keeps vLLM's default for the method (suffix: its tree depth, 24); `settings` are
-    decoding settings written into a copy of the card's `generation_config.json` (drafter cards only)."""
+    decoding settings written into a copy of the card's `generation_config.json` (drafter cards only); `env` holds
+    variables set in the method's vLLM workers (`:env.NAME=VALUE`, e.g. the plugin's `HF_RETRACE_VLLM_*`)."""
 
     name: str
     engine: str
@@ -28,6 +29,7 @@ class MethodSpec:
     card: str | None = None
     num_speculative_tokens: int | None = None
     settings: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
 
     def speculative_config(self, export_dir: str | None = None) -> dict | None:
         """vLLM's `speculative_config` for this method (None: target alone)."""
@@ -67,7 +69,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
     `vllm_suffix=8` is named `vllm_suffix8` (so vLLM's defaults and 8 tokens can run side by side), likewise
     `vllm_ngram=K`; each engine's target-alone method is prepended when that engine is used without it. The drafter
     methods take decoding settings after the card, `vllm_retrace:speculation_policy=fixed`, and are then named with
-    their values appended (`vllm_retrace_fixed`); `num_speculative_tokens=K` there sets vLLM's K (default 3).
+    their values appended (`vllm_retrace_fixed`); `num_speculative_tokens=K` there sets vLLM's K (default 3), and
+    `env.NAME=VALUE` sets a variable in the method's vLLM workers only (an A/B of the plugin's environment switches in
+    one run: `vllm_dflash:env.HF_RETRACE_VLLM_LOAD_FALLBACK=0`, named `vllm_dflash_0`).
     """
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -97,7 +101,10 @@ def parse_methods(text: str) -> list[MethodSpec]:
             spec.name += "".join(f"_{value}" for value in settings.values())
             if spec.engine == "vllm" and "num_speculative_tokens" in settings:  # vLLM's K, not the card's
                 spec.num_speculative_tokens = _parse_k(name, str(settings.pop("num_speculative_tokens")), item)
-            spec.settings = settings
+            spec.env = {key[4:]: str(value) for key, value in settings.items() if key.startswith("env.")}
+            if spec.env and spec.engine != "vllm":
+                raise ValueError(f"env.NAME=VALUE sets a vLLM worker's environment; {item!r} runs in transformers")
+            spec.settings = {key: value for key, value in settings.items() if not key.startswith("env.")}
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"method names must be unique, got {names}")

@@ -67,11 +67,19 @@ def test_drafter_methods_take_settings_into_a_copy_of_the_card(tmp_path):
     assert hf.name == "hf_drafter_8" and hf.settings == {"online_datastore_num_tokens": 8}
 
 
+def test_vllm_methods_take_worker_environment_apart_from_the_card_settings():
+    on, off = methods.parse_methods("vllm_dflash:speculation_policy=goodput,"
+                                    "vllm_dflash:speculation_policy=goodput:env.HF_RETRACE_VLLM_LOAD_FALLBACK=0")[1:]
+    assert (on.name, off.name) == ("vllm_dflash_goodput", "vllm_dflash_goodput_0")
+    assert on.env == {} and off.env == {"HF_RETRACE_VLLM_LOAD_FALLBACK": "0"}
+    assert on.settings == off.settings == {"speculation_policy": "goodput"}  # the same card for both
+
+
 @pytest.mark.parametrize(
     "text, match",
     [("vllm_eagle", "unknown method"), ("vllm_ngram=0", "K >= 1"), ("vllm_suffix=x", "K >= 1"),
      ("hf_ar,hf_ar", "unique"), ("hf_drafter=", "empty value"), ("vllm_ngram:x=1", "only drafter methods"),
-     ("vllm_retrace:policy", "key=value")],
+     ("vllm_retrace:policy", "key=value"), ("hf_drafter:env.X=1", "vLLM worker's environment")],
 )  # fmt: skip
 def test_parse_methods_rejects_bad_input(text, match):
     with pytest.raises(ValueError, match=match):
