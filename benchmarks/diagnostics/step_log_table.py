@@ -13,6 +13,9 @@ decode steps of at least `--min-decoding` requests the verified rows, accepted t
 bucket of decode steps, the least-squares slope in verified rows of the measured `target_s` and of the model's
 `predicted_s`, both on `[1, requests, verified rows, K]` (the first rows' contexts held apart), so each slope is a
 verified row's price at its bucket's load, its context included.
+`--arms`: the load fallback's two arms (fallback.py) by quarter-octave load bucket: the decode steps whose plan and
+previous plan were both plain or both speculating (the log's `plain`), each arm's steps and median ms per committed
+token (the whole step: `target_s + drafter_s`), with a bootstrap 95% interval of plain over speculating.
 """
 
 import argparse
@@ -107,6 +110,34 @@ def by_price(steps: list[dict], min_decoding: int) -> None:
               f"{row['measured']:.2f} | {row['model']:.2f} |")
 
 
+def arm_samples(steps: list[dict]) -> dict:
+    """`{(load bucket, arm): [ms per committed token]}` of the decode steps whose two plans shared an arm."""
+    samples = defaultdict(list)
+    for previous, step in zip(steps, steps[1:]):
+        if "plain" not in step or step["prefill_rows"] or not step["decoding"] or step["committed"] <= 0:
+            continue
+        if previous.get("plain") == step["plain"]:
+            key = round(4 * np.log2(step["decoding"]))
+            arm = "plain" if step["plain"] else "speculate"
+            samples[key, arm].append((step["target_s"] + step["drafter_s"]) * 1e3 / step["committed"])
+    return samples
+
+
+def by_arm(steps: list[dict], min_decoding: int) -> None:
+    samples, rng = arm_samples(steps), np.random.default_rng(0)
+    print("| load bucket (requests) | speculating steps | ms a token | plain steps | ms a token | plain / speculating "
+          "[95%] |\n|---|---:|---:|---:|---:|---|")  # fmt: skip
+    for key in sorted({k for k, _ in samples}):
+        spec, plain = np.array(samples.get((key, "speculate"), [])), np.array(samples.get((key, "plain"), []))
+        if 2 ** (key / 4) < min_decoding or len(spec) < 2 or len(plain) < 2:
+            continue
+        boot = [np.median(rng.choice(plain, plain.size)) / np.median(rng.choice(spec, spec.size)) for _ in range(2000)]
+        low, high = np.percentile(boot, [2.5, 97.5])
+        requests = f"{2 ** ((key - 0.5) / 4):.1f}-{2 ** ((key + 0.5) / 4):.1f}"
+        print(f"| {key} ({requests}) | {spec.size} | {np.median(spec):.2f} | {plain.size} | {np.median(plain):.2f} | "
+              f"{np.median(plain) / np.median(spec):.3f} [{low:.3f}, {high:.3f}] |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log")
@@ -114,11 +145,13 @@ def main():
     parser.add_argument("--split", action="store_true", help="the log's prompt groups apart")
     parser.add_argument("--group", type=int, default=None, help="only this prompt group (0: the first)")
     parser.add_argument("--prices", action="store_true", help="a verified row's cost beside the model's price")
+    parser.add_argument("--arms", action="store_true", help="plain against speculating steps, by load")
     args = parser.parse_args()
     steps = read(args.log)
     if args.group is not None:
         steps = split_groups(steps)[args.group]
-    (by_price if args.prices else by_group if args.split else by_rows)(steps, args.min_decoding)
+    table = by_arm if args.arms else by_price if args.prices else by_group if args.split else by_rows
+    table(steps, args.min_decoding)
 
 
 if __name__ == "__main__":
