@@ -79,3 +79,23 @@ def test_a_gzipped_log_reads_as_the_plain_one(table, tmp_path):
     zipped = tmp_path / "steps.jsonl.gz"
     zipped.write_bytes(gzip.compress(plain.read_bytes()))
     assert table.read(str(zipped)) == table.read(str(plain))
+
+
+def test_arms_keep_the_steps_whose_two_plans_shared_an_arm(table, capsys):
+    """A plain step's line after a speculating one holds the speculating plan's verification: no sample. Steps with
+    a prompt chunk and lines written before the `plain` field are none either."""
+    steps = []
+    for i in range(24):  # 32 decoding: runs of 4 plain plans after 8 speculating ones
+        plain = i % 12 >= 8
+        step = _step(32, 0 if plain else 16, target_s=0.12 if plain else 0.18, committed=32 if plain else 40)
+        steps.append(step | {"plain": plain})
+    steps.insert(5, _step(32, 4, prefill=100) | {"plain": False})
+    steps.insert(0, _step(32, 16))  # an older line: no `plain`
+    samples = table.arm_samples(steps)
+    assert sorted(samples) == [(20, "plain"), (20, "speculate")]
+    assert samples[20, "plain"] == [pytest.approx(3.75)] * 6  # 2 runs of 4, the first of each no sample
+    # 16 speculating lines, less the first of the log (after an older line) and the second run's first (after a
+    # plain one); the line after the prompt chunk's counts (that step's plan speculated too)
+    assert samples[20, "speculate"] == [pytest.approx(4.5)] * 14
+    table.by_arm(steps, min_decoding=1)
+    assert "| 20 (29.3-34.9) | 14 | 4.50 | 6 | 3.75 | 0.833 [0.833, 0.833] |" in capsys.readouterr().out.splitlines()
