@@ -369,11 +369,12 @@ class ReTraceDFlashProposer(DFlashProposer):
                                  "per_request": model.per_request}  # fmt: skip
 
     def _observe_fallback(self, decode_only: bool) -> None:
-        """Gives the fallback this step's wall time and committed tokens (fallback.py); its state joins the stats."""
+        """Gives the fallback this step's wall time and committed tokens (fallback.py); its state joins the stats
+        when they are written (its medians are not worth computing every step)."""
         record = self.last_step
         seconds = (record.engine_seconds or 0.0) + record.propose_seconds
         self.fallback.observe(seconds, self._step_committed, record.decoding, decode_only)
-        if self._writes_stats:
+        if self.stats.due(final=self._request_ended):
             self.stats.fallback = self.fallback.as_dict()
 
     def _finish_step(self, step: StepBatch, drafter_slots: int) -> None:

@@ -87,16 +87,19 @@ class ProposerStats:
             f"{by_source}); {self.drafter_forwards} drafter forwards, {self.conditioned_blocks} ReTrace-conditioned"
         )
 
+    def due(self, final: bool = True) -> bool:
+        """Whether `write(final)` would write now (a caller fills costly fields only then)."""
+        if not os.environ.get(STATS_ENV):
+            return False
+        return final or time.monotonic() - self._last_write >= WRITE_INTERVAL
+
     def write(self, final: bool = True) -> None:
         """Writes the counters to `HF_RETRACE_VLLM_STATS` (if set): always when `final` (a request ended this step),
         else only when `WRITE_INTERVAL` seconds passed since the last write."""
-        path = os.environ.get(STATS_ENV)
-        if not path:
+        if not self.due(final):
             return
-        now = time.monotonic()
-        if not final and now - self._last_write < WRITE_INTERVAL:
-            return
-        self._last_write = now
+        path = os.environ[STATS_ENV]
+        self._last_write = time.monotonic()
         tmp = f"{path}.{os.getpid()}.tmp"
         Path(tmp).write_text(json.dumps(self.as_dict()))
         os.replace(tmp, path)

@@ -79,6 +79,20 @@ def test_cost_file_of_another_configuration_or_corrupt_is_remeasured(tmp_path):
     assert EngineCosts(key, path, save_at_exit=False).source == "prior"  # the engine starts, and measures again
 
 
+def test_stats_are_due_as_they_are_written(tmp_path, monkeypatch):
+    """`due` says what `write` then does: nothing without the variable, always at a request's end, else at most
+    every `WRITE_INTERVAL` seconds."""
+    from hf_retrace_vllm.stats import ProposerStats
+
+    stats = ProposerStats()
+    monkeypatch.delenv(STATS_ENV, raising=False)
+    assert not stats.due(final=True)
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
+    assert stats.due(final=False)  # never written yet
+    stats.write(final=False)
+    assert (tmp_path / "stats.json").exists() and not stats.due(final=False) and stats.due(final=True)
+
+
 def test_prediction_ledger_counts_only_the_planned_batch():
     ledger = PredictionLedger()
     planned = PlannedStep(frozenset({"a", "b"}), rows=5, target_seconds=0.03, expected_tokens=3.5)
