@@ -74,14 +74,18 @@ class VllmWorker:
     """A `serving_vllm_worker.py` process: one engine, JSON lines in and out, stderr to a log file."""
 
     def __init__(self, target: str, speculative_config: dict | None, log_path: Path, mode: str, threads_bind: str,
-                 env: dict, max_model_len: int = 4096, max_num_seqs: int | None = None):  # fmt: skip
+                 env: dict, max_model_len: int = 4096, max_num_seqs: int | None = None,
+                 pin: bool = False):  # fmt: skip
+        """`pin`: the worker and every process it starts run on the cores of `threads_bind` only (`taskset`), not
+        just vLLM's OpenMP threads, so that two workers side by side never share a core."""
         stats = log_path.with_suffix(".proposer.json")  # the hf-retrace proposer's counters (plugin methods only)
         stats.unlink(missing_ok=True)
         # the preloads' environment first, then the bench's own settings (its cores, its stats file) over it
         env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, "HF_HUB_OFFLINE": "1",
                                   "HF_RETRACE_VLLM_STATS": str(stats)}  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        command = [str(VLLM_PYTHON), str(WORKER), "--target", target, "--max-model-len", str(max_model_len)]
+        command = ["taskset", "--cpu-list", threads_bind] if pin else []
+        command += [str(VLLM_PYTHON), str(WORKER), "--target", target, "--max-model-len", str(max_model_len)]
         command += ["--compile"] if mode == "compiled" else []
         command += [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
         if speculative_config is not None:
