@@ -48,9 +48,10 @@ no benched prompt (start-up and warmup untimed), then the greedy pass, then (at 
 pass at `--temperature` (plain temperature sampling, seeded per request), then the engine ends: one engine alive at a
 time, and `suffix`, whose tree keeps every response, never meets at one concurrency the answers of another.
 transformers (in this process, 2 torch threads, skinny GEMM) is batch 1 only. The methods' order rotates by one per
-concurrency and round, so slow drift of a shared machine lands on all alike. Sampled continuations are scored by the
-target in transformers (`serving_engines.continuation_nll`): the NLL/token column, which an exact sampler keeps equal
-to the target alone's within noise.
+concurrency and round, so slow drift of a shared machine lands on all alike (where two blocks of one comparison
+still meet hosts of different speeds, `serving_paired.py` runs two vLLM methods at once, one core each). Sampled
+continuations are scored by the target in transformers (`serving_engines.continuation_nll`): the NLL/token column,
+which an exact sampler keeps equal to the target alone's within noise.
 
 tau is pooled over cycles (committed tokens, bonus included, over all verification cycles of all prompts, prefill
 not counted); vLLM: the tokens each engine step commits per request. `tau_drafted`: vLLM's own counters
