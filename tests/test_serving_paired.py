@@ -98,7 +98,7 @@ def test_the_faster_side_keeps_its_core_busy_until_the_slower_finishes():
     fillers = fast.calls[1:]
     assert len(fillers) >= 5 and all(n == 1 and salt.startswith("filler-") for _, n, salt in fillers)
     assert len({salt for _, _, salt in fillers}) == len(fillers)  # a fresh salt each: no prefix-cache reuse
-    assert fillers[-1][0] >= slow.calls[0][0] + 0.4 - 0.05  # until the slow side's call ended
+    assert fillers[-1][0] >= slow.calls[0][0] + 0.4 - 0.1  # until the slow side's call ended (a sleep may overrun)
     assert len(slow.calls) <= 2  # the slow side fills at most one call's worth after it
 
 
