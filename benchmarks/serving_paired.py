@@ -40,7 +40,7 @@ from pathlib import Path
 from serving import DEFAULT_TARGET, WARMUP_TOKEN_IDS, prepare_vllm
 from serving_engines import VllmWorker, card_with_settings, vllm_preload_env
 from serving_methods import GROUPS, PromptPlan, encode_prompts, parse_methods, too_long
-from serving_records import first_difference
+from serving_records import first_difference, request_latencies
 
 
 CORES = ("0", "1")  # A's core in even rounds; B's in odd ones
@@ -65,10 +65,10 @@ def cores_of_round(r: int) -> tuple[str, str]:
 def side_summary(reply: dict) -> dict:
     """tokens/s, mean time to first token and per output token after it (ms) of one timed call's reply."""
     outputs = reply["outputs"]
-    tokens = sum(len(o["token_ids"]) for o in outputs)
-    ttft = [o["first_token_s"] for o in outputs if o.get("first_token_s") is not None]
-    tpot = [(o["finish_s"] - o["first_token_s"]) / (len(o["token_ids"]) - 1) for o in outputs
-            if o.get("first_token_s") is not None and o.get("finish_s") is not None and len(o["token_ids"]) > 1]
+    lengths = [len(o["token_ids"]) for o in outputs]
+    tokens = sum(lengths)
+    ttft, tpot = request_latencies([o.get("first_token_s") for o in outputs], [o.get("finish_s") for o in outputs],
+                                   lengths)  # fmt: skip
     return {"seconds": reply["seconds"], "new_tokens": tokens, "tokens_per_s": tokens / reply["seconds"],
             "ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else None,
             "tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else None}  # fmt: skip

@@ -47,17 +47,23 @@ class Batch:
     prefill_s: float | None = None
 
 
-def _latencies(b: Batch, picked: list[int]) -> tuple[list[float], list[float]]:
-    """Time to first token and time per output token after it (seconds), of the picked requests `b` timed."""
-    if b.first_token_s is None or b.finish_s is None:
-        return [], []
+def request_latencies(first_token_s: list, finish_s: list, lengths: list[int]) -> tuple[list[float], list[float]]:
+    """Time to first token and time per output token after it (seconds), of the requests timed (`None`: not timed;
+    one output token: no time per token)."""
     ttft, tpot = [], []
-    for i in picked:
-        first, finish, n = b.first_token_s[i], b.finish_s[i], len(b.outputs[i])
+    for first, finish, n in zip(first_token_s, finish_s, lengths):
         if first is not None and finish is not None and n > 1:
             ttft.append(first)
             tpot.append((finish - first) / (n - 1))
     return ttft, tpot
+
+
+def _latencies(b: Batch, picked: list[int]) -> tuple[list[float], list[float]]:
+    """[`request_latencies`] of the picked requests of `b`."""
+    if b.first_token_s is None or b.finish_s is None:
+        return [], []
+    return request_latencies([b.first_token_s[i] for i in picked], [b.finish_s[i] for i in picked],
+                             [len(b.outputs[i]) for i in picked])  # fmt: skip
 
 
 def block_key(method: str, mode: str, concurrency: int, round_index: int) -> str:
