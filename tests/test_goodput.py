@@ -108,6 +108,25 @@ def test_the_plan_predicts_its_own_step():
     assert plan.expected_seconds == pytest.approx(costs.step_seconds(plan.rows, plan.drafter_slots))
 
 
+def test_the_plan_prices_the_plain_step_beside_itself():
+    """`plain_goodput`: the same step verifying nothing, `n / t(n)`; the gain is the plan's goodput over it. Alone
+    at p = 0.8 the plan verifies all 4 lookup tokens, 1 + 0.8 + 0.64 + 0.512 + 0.4096 tokens in t(5) = 30.4 ms
+    against 1 in 19.2 ms: a gain of ~1.12.
+    With nothing worth verifying the plan is the plain step and gains nothing."""
+    costs = _costs()
+    alone = _plan(_lookups(1), FixedEstimator(lookup=0.8), costs)
+    assert alone.plain_goodput == pytest.approx(1 / costs.target_seconds(1))
+    assert alone.predicted_gain == pytest.approx(alone.goodput * costs.target_seconds(1) - 1)
+    assert alone.requests[0].num_verified == 4
+    assert alone.predicted_gain == pytest.approx(3.3616 / 0.0304 * 0.0192 - 1)
+    nothing = _plan(_lookups(4, can_draft=True), FixedEstimator(lookup=0.05, drafter=0.05), costs)
+    assert nothing.predicted_gain == pytest.approx(0.0)
+    drafting = _plan([StepRequest(0)], FixedEstimator(drafter=0.6), _costs(drafter_ms_per_slot=0.1))
+    assert drafting.drafting == [0] and drafting.plain_goodput == pytest.approx(1 / costs.target_seconds(1))
+    budget = _plan(_lookups(2), FixedEstimator(lookup=0.9), _costs(row_ms=0.01), prefill_rows=50, max_rows=40)
+    assert budget.plain_goodput == pytest.approx(40 / _costs(row_ms=0.01).target_seconds(40))  # 38 prompt rows fit
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_greedy_prefix_matches_brute_force(seed):
     """With one lookup per request and linear costs, the admitted prefix is the best of every count combination."""

@@ -124,6 +124,8 @@ class StepPlan:
         expected_seconds (`float`): `T = t(R + P) + e * n + a * K + c * X + d(S)` (the prefill rows' contexts are
             not known here).
         prefill_rows (`int`, *optional*, defaults to 0): `P`, prefill rows the step runs beside the requests.
+        plain_goodput (`float`, *optional*, defaults to 0.0): the goodput the model predicts for the same step with
+            nothing verified and no drafter forward (`0.0`: not computed, e.g. a stage-2 plan).
     """
 
     requests: list[RequestPlan]
@@ -132,6 +134,7 @@ class StepPlan:
     expected_tokens: float
     expected_seconds: float
     prefill_rows: int = 0
+    plain_goodput: float = 0.0
 
     @property
     def drafting(self) -> list:
@@ -143,6 +146,12 @@ class StepPlan:
         """`(E + P) / T`: committed tokens and prefill rows per second, what the plan maximises."""
         work = self.expected_tokens + self.prefill_rows
         return work / self.expected_seconds if self.expected_seconds > 0 else 0.0
+
+    @property
+    def predicted_gain(self) -> float | None:
+        """`goodput / plain_goodput - 1`: what the model expects the plan to gain over a plain step (`None` when
+        the plain step was not priced)."""
+        return self.goodput / self.plain_goodput - 1.0 if self.plain_goodput > 0 else None
 
 
 @dataclass(eq=False)  # compared by identity: the same option picked again
@@ -204,6 +213,17 @@ def _solve(options: list[_Option], cost_model: StepCostModel, block_size: int, d
     best = int(np.argmax(rate))  # the first maximum: the fewest rows among equals
     counts = np.bincount(req[:best], minlength=n)
     return counts, int(slots[best]), float(expected[best]), float(seconds[best]), int(prefill[best])
+
+
+def _plain_goodput(cost_model: StepCostModel, contexts: list[int], max_rows: int | None, prefill_rows: int) -> float:
+    """`(n + P) / T` of the step that verifies nothing for the `n = len(contexts)` requests: each commits one token,
+    `P` of `prefill_rows` fit within `max_rows` beside their `n` rows, and no drafter forward runs."""
+    n = len(contexts)
+    prefill = max(int(prefill_rows), 0)
+    if max_rows is not None:
+        prefill = min(max(max_rows - n, 0), prefill)
+    seconds = float(cost_model.step_seconds(n + prefill, 0, float(sum(contexts)), 0.0, n))
+    return (n + prefill) / seconds if seconds > 0 else 0.0
 
 
 def _lookup_options(request: StepRequest, estimator: AcceptanceEstimator, cap: int) -> list[_Option]:
@@ -284,6 +304,7 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
         return _plan(options, requests, caps, solved)
 
     best = solve(_pick(lookups, cost_model, block_size, 0.0))  # rate 0: the most-surviving lookup per request
+    best.plain_goodput = _plain_goodput(cost_model, contexts, max_rows, prefill_rows)
     if not any(r.can_draft for r in requests) or block_size < 2:
         return best
     choices = [c + _drafter_options(r, estimator, min(cap, block_size - 1))
@@ -295,7 +316,8 @@ def plan_step(requests: list[StepRequest], cost_model: StepCostModel, estimator:
         if picked == previous:
             break
         candidate = solve(picked)
-        best = candidate if candidate.goodput > best.goodput else best
+        if candidate.goodput > best.goodput:
+            candidate.plain_goodput, best = best.plain_goodput, candidate
     return best
 
 

@@ -12,6 +12,15 @@ The arm not in use is probed: `probe_steps` consecutive plans every `interval` p
 doubles each time a probe confirms the arm in use (up to `max_interval`) and starts again at `first_interval` when a
 probe changes it. An arm changes only when its median is faster by more than `margin`, so noise does not flip it.
 
+Where the plans themselves expect little, plain probes come sooner: each plan's predicted gain over a plain step
+(`StepPlan.predicted_gain`, the model's goodput of the plan over that of verifying nothing) is kept per load, and a
+speculating load whose median predicted gain `g` is below `reference_gain` probes after `interval * g /
+reference_gain` plans (at least `min_interval`). At 32 running the plans expect a few percent, which a model off by
+~20% cannot tell from a loss, and a 64-token wave lasts ~30-40 steps: the probe must come within it; a plain probe
+there costs about what speculating would have gained, little. At batch 1 the plans expect ~2x, where a plain probe
+costs most and is least needed, and the interval stays whole. A load running plain keeps its whole interval: a
+speculating probe there costs what speculating measured to lose.
+
 A step's wall time, as the proposer measures it, holds the verification of the plan made at the step before and the
 making of the next plan (`propose()`), so only a step whose two plans were of the same arm is a sample of that arm.
 
@@ -46,6 +55,7 @@ class LoadArms:
     arm: str = SPECULATE
     since_probe: int = 0  # plans at this load since its last probe ended
     samples: dict = field(default_factory=lambda: {SPECULATE: deque(maxlen=16), PLAIN: deque(maxlen=16)})
+    gains: deque = field(default_factory=lambda: deque(maxlen=16))  # the last plans' predicted gains over plain
 
     def medians(self) -> dict:
         """`{arm: median seconds per committed token}` of the arms with samples."""
@@ -63,20 +73,27 @@ class LoadFallback:
             run of an arm is no sample of it, see the module docstring: a probe adds `probe_steps - 1`).
         min_samples (`int`, *optional*, defaults to 4): samples each arm needs before a probe may change the arm.
         margin (`float`, *optional*, defaults to 0.02): how much faster (a fraction) the other arm's median must be.
+        reference_gain (`float`, *optional*, defaults to 0.5): the predicted gain over a plain step from which a
+            load probes after its whole interval; below it the interval shrinks in proportion (module docstring).
+        min_interval (`int`, *optional*, defaults to 8): the fewest plans between two probes of a load.
 
     Attributes:
         plain_steps (`int`), probes (`int`): plans made plain, probes started.
     """
 
     def __init__(self, first_interval: int = 32, max_interval: int = 512, probe_steps: int = 6,
-                 min_samples: int = 4, margin: float = 0.02):  # fmt: skip
-        if not (1 <= first_interval <= max_interval and probe_steps >= 2 and 1 <= min_samples < probe_steps
-                and 0.0 <= margin < 1.0):  # fmt: skip
+                 min_samples: int = 4, margin: float = 0.02, reference_gain: float = 0.5,
+                 min_interval: int = 8):  # fmt: skip
+        if not (1 <= min_interval <= first_interval <= max_interval and probe_steps >= 2
+                and 1 <= min_samples < probe_steps and 0.0 <= margin < 1.0 and reference_gain > 0):  # fmt: skip
             raise ValueError(
-                "LoadFallback needs 1 <= first_interval <= max_interval, probe_steps >= 2, 1 <= min_samples < "
-                f"probe_steps and 0 <= margin < 1; got first_interval={first_interval}, max_interval={max_interval}, "
-                f"probe_steps={probe_steps}, min_samples={min_samples}, margin={margin}"
+                "LoadFallback needs 1 <= min_interval <= first_interval <= max_interval, probe_steps >= 2, "
+                "1 <= min_samples < probe_steps, 0 <= margin < 1 and reference_gain > 0; got "
+                f"min_interval={min_interval}, first_interval={first_interval}, max_interval={max_interval}, "
+                f"probe_steps={probe_steps}, min_samples={min_samples}, margin={margin}, "
+                f"reference_gain={reference_gain}"
             )
+        self.min_interval, self.reference_gain = int(min_interval), float(reference_gain)
         self.first_interval, self.max_interval = int(first_interval), int(max_interval)
         self.probe_steps, self.min_samples, self.margin = int(probe_steps), int(min_samples), float(margin)
         self.loads: dict[int, LoadArms] = {}
@@ -98,13 +115,27 @@ class LoadFallback:
             load = self._load(key)
             load.since_probe += 1
             arm = load.arm
-            if load.since_probe >= load.interval:
+            if load.since_probe >= self.due(load):
                 arm = _other(load.arm)
                 self._probe = [key, arm, self.probe_steps - 1]
                 self.probes += 1
         self._arms.append(arm)
         self.plain_steps += arm == PLAIN
         return arm
+
+    def due(self, load: LoadArms) -> int:
+        """Plans between `load`'s probes: its interval, shrunk while it speculates and its plans' median predicted
+        gain `g` is below `reference_gain` (`interval * max(g, 0) / reference_gain`, at least `min_interval`)."""
+        if load.arm != SPECULATE or not load.gains:
+            return load.interval
+        scale = min(max(statistics.median(load.gains), 0.0) / self.reference_gain, 1.0)
+        return max(self.min_interval, round(load.interval * scale))
+
+    def expect(self, requests: int, gain: float | None) -> None:
+        """The plan just made for `requests` decoding predicts `gain` over a plain step (`StepPlan.predicted_gain`;
+        `None`: not priced, ignored)."""
+        if gain is not None and requests > 0 and math.isfinite(gain):
+            self._load(load_key(requests)).gains.append(float(gain))
 
     def _probing(self, key: int) -> str | None:
         """The probe's arm while a probe of `key` has plans left; ends a probe (and decides) otherwise."""
@@ -142,11 +173,14 @@ class LoadFallback:
         return True
 
     def as_dict(self) -> dict:
-        """The counters and, per load bucket, the arm in use and each arm's median ms per committed token."""
+        """The counters and, per load bucket, the arm in use, its interval and the plans before its next probe
+        (`due`), its plans' median predicted gain over plain, and each arm's median ms per committed token."""
         loads = {}
         for key, load in sorted(self.loads.items()):
             medians = {arm: round(1e3 * m, 3) for arm, m in load.medians().items()}
-            loads[str(key)] = {"arm": load.arm, "interval": load.interval, "ms_per_token": medians}
+            gain = round(statistics.median(load.gains), 4) if load.gains else None
+            loads[str(key)] = {"arm": load.arm, "interval": load.interval, "due": self.due(load),
+                               "predicted_gain": gain, "ms_per_token": medians}  # fmt: skip
         return {"plain_steps": self.plain_steps, "probes": self.probes, "loads": loads}
 
 

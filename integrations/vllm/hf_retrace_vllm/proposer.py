@@ -220,6 +220,8 @@ class ReTraceDFlashProposer(DFlashProposer):
                                                  self.speculation.max_rows)  # fmt: skip
         plan = self.speculation.plan(requests, started + waiting)
         self._counted_waiting = waiting
+        if self.fallback is not None:  # where the plans expect little over a plain step, the fallback probes sooner
+            self.fallback.expect(len(requests), plan.step.predicted_gain)
         drafting: dict[int, int] = {}  # batch index -> most drafts to verify
         for req_id, (i, anchor) in anchors.items():
             action = plan.action(req_id)

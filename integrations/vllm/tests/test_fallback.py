@@ -1,5 +1,6 @@
 """The load fallback (hf_retrace_vllm/fallback.py): plain steps where speculating measured slower, per load."""
 
+import math
 import random
 
 import pytest
@@ -85,7 +86,7 @@ def test_noise_within_the_margin_does_not_flip_the_arm():
 
 
 def test_only_steps_whose_two_plans_share_an_arm_are_samples():
-    fallback = LoadFallback(first_interval=2, probe_steps=3, min_samples=2)
+    fallback = LoadFallback(first_interval=2, probe_steps=3, min_samples=2, min_interval=1)
     assert not fallback.observe(0.1, 2, 4, True)  # no plan yet
     fallback.choose(4)
     fallback.choose(4)  # the probe starts here: plain
@@ -101,7 +102,7 @@ def test_only_steps_whose_two_plans_share_an_arm_are_samples():
 
 
 def test_a_probe_cut_short_by_a_change_of_load_decides_nothing():
-    fallback = LoadFallback(first_interval=4)
+    fallback = LoadFallback(first_interval=4, min_interval=4)
     engine = Engine(COSTS)
     arms = run(fallback, engine, 32, 5)
     assert arms[-1] == PLAIN  # the probe began
@@ -110,12 +111,48 @@ def test_a_probe_cut_short_by_a_change_of_load_decides_nothing():
     assert load.arm == SPECULATE and load.interval == 4 and load.since_probe == 0
 
 
+def test_a_load_whose_plans_expect_little_probes_within_a_short_wave():
+    """At 32 running plans that expect 5% over a plain step probe after 8 plans, not 32 (0.05 / 0.5 of the interval,
+    at least `min_interval`): a 40-step wave switches to plain after its 14th plan instead of not at all, and then
+    keeps its whole interval (32) before a speculating probe."""
+    fallback, engine, arms = LoadFallback(), Engine(COSTS), []
+    for _ in range(40):
+        arms.append(engine.step(fallback, 32))
+        if arms[-1] == SPECULATE:
+            fallback.expect(32, 0.05)
+    load = fallback.loads[load_key(32)]
+    assert arms[:8] == [SPECULATE] * 7 + [PLAIN] and arms[8:14] == [PLAIN] * 6
+    assert load.arm == PLAIN and arms[14:].count(SPECULATE) == 0 and fallback.due(load) == 32
+    assert fallback.as_dict()["loads"][str(load_key(32))]["predicted_gain"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("gains, due", [([], 32), ([0.9], 32), ([0.5], 32), ([0.25], 16), ([0.1, 0.2, 0.3], 13),
+                                        ([0.05], 8), ([-0.2], 8), ([None, math.nan, 0.25], 16)])  # fmt: skip
+def test_the_probe_interval_shrinks_with_the_predicted_gain(gains, due):
+    fallback = LoadFallback()
+    for gain in gains:
+        fallback.expect(8, gain)
+    assert fallback.due(fallback._load(load_key(8))) == due
+    fallback.expect(0, 0.01)  # nothing decoding: no load to learn about
+    assert load_key(0) not in fallback.loads
+
+
+def test_a_large_predicted_gain_keeps_the_whole_interval():
+    fallback, engine = LoadFallback(), Engine(COSTS)
+    arms = []
+    for _ in range(40):
+        arms.append(engine.step(fallback, 1))
+        fallback.expect(1, 1.9)
+    assert arms[:32] == [SPECULATE] * 31 + [PLAIN]
+
+
 def test_load_buckets_are_quarter_octaves():
     assert [load_key(n) for n in (1, 2, 8, 9, 16, 28, 32)] == [0, 4, 12, 13, 16, 19, 20]
 
 
 @pytest.mark.parametrize("kwargs", [{"first_interval": 0}, {"first_interval": 64, "max_interval": 32},
-                                    {"probe_steps": 1}, {"min_samples": 6}, {"margin": 1.0}])  # fmt: skip
+                                    {"probe_steps": 1}, {"min_samples": 6}, {"margin": 1.0}, {"min_interval": 0},
+                                    {"min_interval": 40}, {"reference_gain": 0.0}])  # fmt: skip
 def test_bad_settings_are_a_clear_error(kwargs):
     with pytest.raises(ValueError, match="LoadFallback needs"):
         LoadFallback(**kwargs)
