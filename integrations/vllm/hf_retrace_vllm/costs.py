@@ -4,7 +4,7 @@ step whose target verifies `R` rows, and `d(S)`, the drafter's forward of `S` sl
 Where the model comes from, in order:
 1. the per-host cache file (`default_cache_path(key)`, under `HF_RETRACE_CACHE`), when its key matches this host
    and configuration (`engine_key`: target path and config, dtype, bound threads, compiled or eager, vLLM version,
-   drafter); a file for another host or configuration, or a corrupt one, is re-measured, never trusted. Machines
+   the drafter's config); a file for another host or configuration, or a corrupt one, is re-measured, never trusted. Machines
    that share a CPU model name still differ in speed (clock, memory, neighbours), so the file's curves are checked
    against the first `WARM_STEPS` decode steps too, and rescaled to them when off by more than `RESCALE_TOLERANCE`;
 2. the start-up profile's samples (profile.py; on unless `HF_RETRACE_VLLM_PROFILE=0`);
@@ -61,13 +61,21 @@ def bound_threads(bind: str | None = None) -> int:
     return len(cores)
 
 
+def _config_digest(folder: str) -> str | None:
+    """12 hex digits of `folder/config.json`'s bytes; `None` where there is no such file (e.g. a Hub id)."""
+    config = Path(folder, "config.json")
+    return hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else None
+
+
 def engine_key(target: str, dtype: str, num_threads: int, compiled: bool, drafter: str = "") -> HostKey:
     """The cache key of one engine configuration on this host. The target is named by its path and a digest of its
-    `config.json` (so a changed checkpoint in the same folder is re-measured); the drafter's path is in `extra`,
-    since `d(S)` depends on it."""
-    config = Path(target, "config.json")
-    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else "no-config"
-    return host_key("vllm", f"{target}@{digest}", dtype, num_threads, compiled, f"{VLLM_EXTRA};drafter={drafter}")
+    `config.json` (so a changed checkpoint in the same folder is re-measured). `d(S)` depends on the drafter's shape,
+    not on where it lies, so the drafter is named by its `config.json`'s digest alone: the same drafter exported into
+    another folder reads the same file (a drafter folder without one, or a Hub id, is named as given)."""
+    target_digest = _config_digest(target) or "no-config"
+    drafter_id = (_config_digest(drafter) or drafter) if drafter else ""
+    return host_key("vllm", f"{target}@{target_digest}", dtype, num_threads, compiled,
+                    f"{VLLM_EXTRA};drafter={drafter_id}")  # fmt: skip
 
 
 def key_from_vllm_config(vllm_config) -> HostKey:

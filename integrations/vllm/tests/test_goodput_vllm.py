@@ -70,6 +70,21 @@ def test_cost_file_from_a_machine_of_another_speed_is_rescaled_to_the_first_deco
         assert costs.model.drafter_seconds(16) / costs.model.target_seconds(1) == pytest.approx(0.01 / 0.04)
 
 
+def test_the_same_drafter_in_another_folder_shares_its_cost_file(tmp_path):
+    """`d(S)` is the drafter's shape: two folders with one `config.json` share a key, a changed config does not, and
+    a drafter named without a folder (a Hub id) is named as given."""
+    folders = {}
+    for name, layers in (("export-a", 1), ("export-b", 1), ("wider", 2)):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    keys = {name: engine_key(str(tmp_path / "target"), "float32", 2, True, str(f)) for name, f in folders.items()}
+    assert keys["export-a"] == keys["export-b"] != keys["wider"]
+    assert str(tmp_path) not in keys["export-a"].extra
+    assert engine_key("t", "float32", 2, True, "org/drafter").extra.endswith("drafter=org/drafter")
+    assert engine_key("t", "float32", 2, True).extra.endswith("drafter=")
+
+
 def test_cost_file_of_another_configuration_or_corrupt_is_remeasured(tmp_path):
     path = tmp_path / "cost.json"
     key = engine_key(str(tmp_path), "torch.float32", 2, False, "drafter")
