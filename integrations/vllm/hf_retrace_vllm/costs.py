@@ -4,9 +4,10 @@ step whose target verifies `R` rows, and `d(S)`, the drafter's forward of `S` sl
 Where the model comes from, in order:
 1. the per-host cache file (`default_cache_path(key)`, under `HF_RETRACE_CACHE`), when its key matches this host
    and configuration (`engine_key`: target path and config, dtype, bound threads, compiled or eager, vLLM version,
-   the drafter's config); a file for another host or configuration, or a corrupt one, is re-measured, never trusted. Machines
-   that share a CPU model name still differ in speed (clock, memory, neighbours), so the file's curves are checked
-   against the first `WARM_STEPS` decode steps too, and rescaled to them when off by more than `RESCALE_TOLERANCE`;
+   the drafter's config); a file for another host or configuration, or a corrupt one, is re-measured, never
+   trusted. Machines that share a CPU model name still differ in speed (clock, memory, neighbours), so the file's
+   curves are checked against the first `WARM_STEPS` decode steps too, and rescaled to them when off by more than
+   `RESCALE_TOLERANCE`;
 2. the start-up profile's samples (profile.py; on unless `HF_RETRACE_VLLM_PROFILE=0`);
 3. else a prior of the right shape (`prior_model`), scaled to this host by the first observed steps.
 
