@@ -40,7 +40,7 @@ from pathlib import Path
 from serving import DEFAULT_TARGET, WARMUP_TOKEN_IDS, prepare_vllm
 from serving_engines import VllmWorker, card_with_settings, vllm_preload_env
 from serving_methods import GROUPS, PromptPlan, encode_prompts, parse_methods, too_long
-from serving_records import first_difference, request_latencies
+from serving_records import first_difference, portable, request_latencies
 
 
 CORES = ("0", "1")  # A's core in even rounds; B's in odd ones
@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         info["wall_s"] = time.perf_counter() - started
         summary = summarize(rows)
         info["failures"] = lossless_failures(rows, names)
-        (output_dir / "results.json").write_text(json.dumps({"info": info, "summary": summary, "rows": rows}))
+        record = portable({"info": info, "summary": summary, "rows": rows})  # no machine's paths in a record
+        (output_dir / "results.json").write_text(json.dumps(record))
         (output_dir / "results.md").write_text(render(rows, summary, names, info))
     print((output_dir / "results.md").read_text())
     return 1 if info["failures"] else 0

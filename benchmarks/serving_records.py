@@ -66,6 +66,18 @@ def _latencies(b: Batch, picked: list[int]) -> tuple[list[float], list[float]]:
                              [len(b.outputs[i]) for i in picked])  # fmt: skip
 
 
+def portable(value, repo: Path | None = None):
+    """`value` (JSON-able) with this machine's paths written as the records name them: under the repository
+    relative to it, under the package's cache (`$HF_RETRACE_CACHE`, else `~/.cache/hf_retrace`) from
+    `$HF_RETRACE_CACHE`, under the home folder from `~`."""
+    repo = Path(__file__).resolve().parents[1] if repo is None else Path(repo)
+    cache = Path(os.environ.get("HF_RETRACE_CACHE") or Path.home() / ".cache" / "hf_retrace")
+    text = json.dumps(value)
+    for root, name in ((repo, ""), (cache, "$HF_RETRACE_CACHE/"), (Path.home(), "~/")):
+        text = text.replace(f"{root}/", name)
+    return json.loads(text)
+
+
 def block_key(method: str, mode: str, concurrency: int, round_index: int) -> str:
     """The id of one block (a fresh engine for one method, mode, concurrency and round) in the resume store."""
     return f"{method}/{mode}/c{concurrency}/r{round_index}"

@@ -492,3 +492,14 @@ def test_nll_separates_exact_sampling_from_a_corrupted_sampler(tiny_target):
         uniform = torch.randint(0, 128, (8,), generator=generator).tolist()
         corrupted.append(serving_engines.continuation_nll(tiny_target, prompt, uniform, t) / 8)
     assert sum(exact) / n < sum(corrupted) / n - 0.05
+
+
+def test_records_name_no_machine_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    value = {"preload": f"/lib/libtcmalloc.so:{repo}/.venv-vllm/lib/libiomp5.so", "n": 3,
+             "target": str(tmp_path / "cache" / "smollm2"), "card": str(Path.home() / "cards" / "x"), "ok": "abc/def"}
+    assert records.portable(value, repo) == {
+        "preload": "/lib/libtcmalloc.so:.venv-vllm/lib/libiomp5.so", "n": 3,
+        "target": "$HF_RETRACE_CACHE/smollm2", "card": "~/cards/x", "ok": "abc/def",
+    }  # fmt: skip
