@@ -10,7 +10,14 @@ nothing and commits one token), and the policy plans only at loads where `specul
 
 The arm not in use is probed: `probe_steps` consecutive plans every `interval` plans at that load. The interval
 doubles each time a probe confirms the arm in use (up to `max_interval`) and starts again at `first_interval` when a
-probe changes it. An arm changes only when its median is faster by more than `margin`, so noise does not flip it.
+probe changes it. An arm changes only when its seconds per token are fewer by more than `margin`, so noise does not
+flip it.
+
+An arm's seconds per committed token are its last 16 samples' seconds summed over their tokens summed, not a median
+of each step's ratio: a speculating step commits from 1 token a request to `1 + K`, and the median of per-step ratios
+misprices that spread (three 150 ms steps committing 1, 1 and 7 tokens: a median of 150 ms a token, where they took
+450 ms for 9 tokens, 50 ms a token). At batch 1, where a request's steps commit 1 token or many, it priced speculating
+as dear as plain steps; with many requests a step's tokens are a sum over them and vary less.
 
 Where the plans themselves expect little, plain probes come sooner: each plan's predicted gain over a plain step
 (`StepPlan.predicted_gain`, the model's goodput of the plan over that of verifying nothing) is kept per load, and a
@@ -54,12 +61,13 @@ class LoadArms:
     interval: int
     arm: str = SPECULATE
     since_probe: int = 0  # plans at this load since its last probe ended
+    # the last 16 samples per arm: (seconds, tokens committed) of a step
     samples: dict = field(default_factory=lambda: {SPECULATE: deque(maxlen=16), PLAIN: deque(maxlen=16)})
     gains: deque = field(default_factory=lambda: deque(maxlen=16))  # the last plans' predicted gains over plain
 
-    def medians(self) -> dict:
-        """`{arm: median seconds per committed token}` of the arms with samples."""
-        return {arm: statistics.median(s) for arm, s in self.samples.items() if s}
+    def seconds_per_token(self) -> dict:
+        """`{arm: its samples' seconds summed over their committed tokens summed}` of the arms with samples."""
+        return {arm: sum(t for t, _ in s) / sum(n for _, n in s) for arm, s in self.samples.items() if s}
 
 
 class LoadFallback:
@@ -72,7 +80,8 @@ class LoadFallback:
         probe_steps (`int`, *optional*, defaults to 6): plans a probe makes in the other arm (the first step of a
             run of an arm is no sample of it, see the module docstring: a probe adds `probe_steps - 1`).
         min_samples (`int`, *optional*, defaults to 4): samples each arm needs before a probe may change the arm.
-        margin (`float`, *optional*, defaults to 0.02): how much faster (a fraction) the other arm's median must be.
+        margin (`float`, *optional*, defaults to 0.02): by how much (a fraction) the other arm's seconds per token
+            must be fewer.
         reference_gain (`float`, *optional*, defaults to 0.5): the predicted gain over a plain step from which a
             load probes after its whole interval; below it the interval shrinks in proportion (module docstring).
         min_interval (`int`, *optional*, defaults to 8): the fewest plans between two probes of a load.
@@ -150,14 +159,15 @@ class LoadFallback:
         return None
 
     def _decide(self, key: int) -> None:
-        """After a probe of `key`: the arm whose median is faster by more than `margin`, else the one in use."""
+        """After a probe of `key`: the other arm where its seconds per token are fewer by more than `margin`, else
+        the one in use."""
         load = self._load(key)
         load.since_probe = 0
         if min(len(s) for s in load.samples.values()) < self.min_samples:
             return  # a probe cut short by a change of load: nothing learned, the schedule stays
-        medians = load.medians()
+        rates = load.seconds_per_token()
         challenger = _other(load.arm)
-        if medians[challenger] < (1.0 - self.margin) * medians[load.arm]:
+        if rates[challenger] < (1.0 - self.margin) * rates[load.arm]:
             load.arm, load.interval = challenger, self.first_interval
         else:
             load.interval = min(2 * load.interval, self.max_interval)
@@ -169,18 +179,18 @@ class LoadFallback:
         older, newer = self._arms
         if not decode_only or committed <= 0 or older is None or older != newer or seconds <= 0:
             return False
-        self._load(load_key(requests)).samples[newer].append(float(seconds) / int(committed))
+        self._load(load_key(requests)).samples[newer].append((float(seconds), int(committed)))
         return True
 
     def as_dict(self) -> dict:
         """The counters and, per load bucket, the arm in use, its interval and the plans before its next probe
-        (`due`), its plans' median predicted gain over plain, and each arm's median ms per committed token."""
+        (`due`), its plans' median predicted gain over plain, and each arm's ms per committed token."""
         loads = {}
         for key, load in sorted(self.loads.items()):
-            medians = {arm: round(1e3 * m, 3) for arm, m in load.medians().items()}
+            rates = {arm: round(1e3 * m, 3) for arm, m in load.seconds_per_token().items()}
             gain = round(statistics.median(load.gains), 4) if load.gains else None
             loads[str(key)] = {"arm": load.arm, "interval": load.interval, "due": self.due(load),
-                               "predicted_gain": gain, "ms_per_token": medians}  # fmt: skip
+                               "predicted_gain": gain, "ms_per_token": rates}  # fmt: skip
         return {"plain_steps": self.plain_steps, "probes": self.probes, "loads": loads}
 
 

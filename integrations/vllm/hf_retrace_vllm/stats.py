@@ -41,7 +41,7 @@ class ProposerStats:
             its verified rows); `None` under the fixed policy.
         fallback (`dict`, *optional*): the goodput policy's plain steps (`LoadFallback.as_dict()`: `plain_steps`,
             `probes`, and per load bucket the arm in use, its interval, `due`, the plans' median `predicted_gain`
-            and each arm's median ms per committed token); `None` when it is off.
+            and each arm's ms per committed token); `None` when it is off.
     """
 
     cycles: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))

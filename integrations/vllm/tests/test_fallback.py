@@ -56,8 +56,8 @@ def test_plain_steps_where_speculating_is_slower_with_speculating_probes():
     load = fallback.loads[load_key(32)]
     assert load.arm == PLAIN
     assert arms[37:].count(SPECULATE) < 0.03 * len(arms)  # after the first probe: plain but for thinning probes
-    medians = load.medians()
-    assert medians[PLAIN] == pytest.approx(0.123 / 32) and medians[SPECULATE] == pytest.approx(0.190 / 40)
+    rates = load.seconds_per_token()
+    assert rates[PLAIN] == pytest.approx(0.123 / 32) and rates[SPECULATE] == pytest.approx(0.190 / 40)
 
 
 def test_each_load_keeps_its_own_arm():
@@ -95,7 +95,7 @@ def test_only_steps_whose_two_plans_share_an_arm_are_samples():
     assert not fallback.observe(0.1, 4, 4, decode_only=False)  # a prefill in the step
     assert not fallback.observe(0.1, 0, 4, True)  # nothing committed
     assert fallback.observe(0.1, 4, 4, True)
-    assert list(fallback.loads[load_key(4)].samples[PLAIN]) == [pytest.approx(0.025)]
+    assert list(fallback.loads[load_key(4)].samples[PLAIN]) == [(pytest.approx(0.1), 4)]
     fallback.choose(0)  # nothing to plan: the next step is no sample
     fallback.choose(4)
     assert not fallback.observe(0.1, 4, 4, True)
@@ -109,6 +109,30 @@ def test_a_probe_cut_short_by_a_change_of_load_decides_nothing():
     run(fallback, engine, 1, 3)  # the load moved: the probe ends with one plain sample
     load = fallback.loads[load_key(32)]
     assert load.arm == SPECULATE and load.interval == 4 and load.since_probe == 0
+
+
+class SpreadEngine(Engine):
+    """Batch 1 where a speculating step commits 1 token twice in three and 7 once, at 150 ms each: 50 ms a token
+    over the steps, 150 ms a token as the median of each step's ratio; a plain step commits 1 token in 100 ms."""
+
+    def step(self, fallback: LoadFallback, requests: int) -> str:
+        arm = fallback.choose(requests)
+        if self.previous is not None:
+            self.n = getattr(self, "n", 0) + 1
+            committed = 1 if self.previous == PLAIN else (7 if self.n % 3 == 0 else 1)
+            fallback.observe(0.100 if self.previous == PLAIN else 0.150, committed, requests, decode_only=True)
+        self.previous = arm
+        return arm
+
+
+def test_an_arm_is_priced_by_its_tokens_summed_not_a_median_of_step_ratios():
+    fallback = LoadFallback()
+    arms = run(fallback, SpreadEngine({}), 1, 600)
+    load = fallback.loads[load_key(1)]
+    assert load.arm == SPECULATE and fallback.probes >= 3  # every probe confirmed speculating
+    assert load.seconds_per_token()[SPECULATE] == pytest.approx(0.050, rel=0.15)
+    assert load.seconds_per_token()[PLAIN] == pytest.approx(0.100)
+    assert arms[-100:].count(SPECULATE) > 90
 
 
 def test_a_load_whose_plans_expect_little_probes_within_a_short_wave():
