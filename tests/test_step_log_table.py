@@ -93,9 +93,15 @@ def test_arms_keep_the_steps_whose_two_plans_shared_an_arm(table, capsys):
     steps.insert(0, _step(32, 16))  # an older line: no `plain`
     samples = table.arm_samples(steps)
     assert sorted(samples) == [(20, "plain"), (20, "speculate")]
-    assert samples[20, "plain"] == [pytest.approx(3.75)] * 6  # 2 runs of 4, the first of each no sample
+    assert samples[20, "plain"] == [(pytest.approx(120.0), 32)] * 6  # 2 runs of 4, the first of each no sample
     # 16 speculating lines, less the first of the log (after an older line) and the second run's first (after a
     # plain one); the line after the prompt chunk's counts (that step's plan speculated too)
-    assert samples[20, "speculate"] == [pytest.approx(4.5)] * 14
+    assert samples[20, "speculate"] == [(pytest.approx(180.0), 40)] * 14
     table.by_arm(steps, min_decoding=1)
     assert "| 20 (29.3-34.9) | 14 | 4.50 | 6 | 3.75 | 0.833 [0.833, 0.833] |" in capsys.readouterr().out.splitlines()
+
+
+def test_arms_are_priced_by_tokens_summed(table):
+    """Three 150 ms speculating steps committing 1, 1 and 7 tokens: 50 ms a token, not their median ratio's 150."""
+    pairs = table.np.array([[150.0, 1], [150.0, 1], [150.0, 7]])
+    assert table.per_token(pairs) == pytest.approx(50.0)

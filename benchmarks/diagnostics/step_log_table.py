@@ -111,7 +111,7 @@ def by_price(steps: list[dict], min_decoding: int) -> None:
 
 
 def arm_samples(steps: list[dict]) -> dict:
-    """`{(load bucket, arm): [ms per committed token]}` of the decode steps whose two plans shared an arm."""
+    """`{(load bucket, arm): [(ms, committed tokens)]}` of the decode steps whose two plans shared an arm."""
     samples = defaultdict(list)
     for previous, step in zip(steps, steps[1:]):
         if "plain" not in step or step["prefill_rows"] or not step["decoding"] or step["committed"] <= 0:
@@ -119,8 +119,14 @@ def arm_samples(steps: list[dict]) -> dict:
         if previous.get("plain") == step["plain"]:
             key = round(4 * np.log2(step["decoding"]))
             arm = "plain" if step["plain"] else "speculate"
-            samples[key, arm].append((step["target_s"] + step["drafter_s"]) * 1e3 / step["committed"])
+            samples[key, arm].append(((step["target_s"] + step["drafter_s"]) * 1e3, step["committed"]))
     return samples
+
+
+def per_token(pairs: np.ndarray) -> float:
+    """Milliseconds summed over tokens summed, of `[n, 2]` `(ms, committed)` rows: a median of each step's ratio
+    would misprice a speculating step's spread of 1 to `1 + K` tokens a request (the load fallback's docstring)."""
+    return float(pairs[:, 0].sum() / pairs[:, 1].sum())
 
 
 def by_arm(steps: list[dict], min_decoding: int) -> None:
@@ -131,11 +137,12 @@ def by_arm(steps: list[dict], min_decoding: int) -> None:
         spec, plain = np.array(samples.get((key, "speculate"), [])), np.array(samples.get((key, "plain"), []))
         if 2 ** (key / 4) < min_decoding or len(spec) < 2 or len(plain) < 2:
             continue
-        boot = [np.median(rng.choice(plain, plain.size)) / np.median(rng.choice(spec, spec.size)) for _ in range(2000)]
+        boot = [per_token(plain[rng.integers(0, len(plain), len(plain))])
+                / per_token(spec[rng.integers(0, len(spec), len(spec))]) for _ in range(2000)]  # fmt: skip
         low, high = np.percentile(boot, [2.5, 97.5])
         requests = f"{2 ** ((key - 0.5) / 4):.1f}-{2 ** ((key + 0.5) / 4):.1f}"
-        print(f"| {key} ({requests}) | {spec.size} | {np.median(spec):.2f} | {plain.size} | {np.median(plain):.2f} | "
-              f"{np.median(plain) / np.median(spec):.3f} [{low:.3f}, {high:.3f}] |")
+        print(f"| {key} ({requests}) | {len(spec)} | {per_token(spec):.2f} | {len(plain)} | {per_token(plain):.2f} | "
+              f"{per_token(plain) / per_token(spec):.3f} [{low:.3f}, {high:.3f}] |")
 
 
 def main():
