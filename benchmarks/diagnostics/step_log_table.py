@@ -5,8 +5,9 @@
 
 Default: the decode steps (no prefill rows) of at least `--min-decoding` requests, grouped by `(verifying,
 verified)`: how many, and the engine's part of their time (`target_s` less the proposer's `propose_s`, the drafter
-forward within it given back), median and mean. `--split`: the log's prompt groups apart (the serving bench runs pool_eval, then unseen, on one engine: a group
-starts at a step that prefills while at most two requests decode), each with its steps and seconds, and for its
+forward within it given back), median and mean. `--split`: the log's prompt groups apart (the serving bench runs
+pool_eval, then unseen, on one engine: a group starts at a step that prefills while at most two requests decode),
+each with its steps and seconds, and for its
 decode steps of at least `--min-decoding` requests the verified rows, accepted tokens and ms a committed token.
 `--group K`: the default table over group `K` alone (0: pool_eval, 1: unseen).
 `--prices`: what a verified row cost beside what the step-cost model priced it, by how many requests decoded: per
@@ -14,8 +15,9 @@ bucket of decode steps, the least-squares slope in verified rows of the measured
 `predicted_s`, both on `[1, requests, verified rows, K]` (the first rows' contexts held apart), so each slope is a
 verified row's price at its bucket's load, its context included.
 `--arms`: the load fallback's two arms (fallback.py) by quarter-octave load bucket: the decode steps whose plan and
-previous plan were both plain or both speculating (the log's `plain`), each arm's steps and median ms per committed
-token (the whole step: `target_s + drafter_s`), with a bootstrap 95% interval of plain over speculating.
+previous plan were both plain or both speculating (the log's `plain`), each arm's steps and ms per committed token
+(the whole step, `target_s + drafter_s`, summed over the tokens summed), with a bootstrap 95% interval of plain over
+speculating.
 """
 
 import argparse
