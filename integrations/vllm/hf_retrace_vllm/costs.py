@@ -20,6 +20,7 @@ numpy and the standard library only (with the shared `cost_model_retrace.py`), s
 
 import atexit
 import hashlib
+import json
 import os
 import statistics
 import weakref
@@ -63,16 +64,30 @@ def bound_threads(bind: str | None = None) -> int:
 
 
 def _config_digest(folder: str) -> str | None:
-    """12 hex digits of `folder/config.json`'s bytes; `None` where there is no such file (e.g. a Hub id)."""
+    """12 hex digits of `folder/config.json` less its provenance (the export's `hf_retrace.source_commit`, which
+    changes with every commit of this package and not what a step costs); `None` where there is no such file (e.g.
+    a Hub id). A file that is not a JSON object is digested as its bytes."""
     config = Path(folder, "config.json")
-    return hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.is_file() else None
+    if not config.is_file():
+        return None
+    data = config.read_bytes()
+    try:
+        fields = json.loads(data)
+    except ValueError:
+        fields = None
+    if isinstance(fields, dict):
+        if isinstance(fields.get("hf_retrace"), dict):
+            fields["hf_retrace"].pop("source_commit", None)
+        data = json.dumps(fields, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 def engine_key(target: str, dtype: str, num_threads: int, compiled: bool, drafter: str = "") -> HostKey:
     """The cache key of one engine configuration on this host. The target is named by its path and a digest of its
     `config.json` (so a changed checkpoint in the same folder is re-measured). `d(S)` depends on the drafter's shape,
-    not on where it lies, so the drafter is named by its `config.json`'s digest alone: the same drafter exported into
-    another folder reads the same file (a drafter folder without one, or a Hub id, is named as given)."""
+    not on where it lies or which commit exported it, so the drafter is named by its `config.json`'s digest alone,
+    provenance left out: the same drafter exported into another folder reads the same file (a drafter folder
+    without one, or a Hub id, is named as given)."""
     target_digest = _config_digest(target) or "no-config"
     drafter_id = (_config_digest(drafter) or drafter) if drafter else ""
     return host_key("vllm", f"{target}@{target_digest}", dtype, num_threads, compiled,

@@ -71,13 +71,14 @@ def test_cost_file_from_a_machine_of_another_speed_is_rescaled_to_the_first_deco
 
 
 def test_the_same_drafter_in_another_folder_shares_its_cost_file(tmp_path):
-    """`d(S)` is the drafter's shape: two folders with one `config.json` share a key, a changed config does not, and
-    a drafter named without a folder (a Hub id) is named as given."""
+    """`d(S)` is the drafter's shape: two folders whose `config.json` differ only in the exporting commit share a key,
+    a changed config does not, and a drafter named without a folder (a Hub id) is named as given."""
     folders = {}
-    for name, layers in (("export-a", 1), ("export-b", 1), ("wider", 2)):
+    for name, layers, commit in (("export-a", 1, "abc"), ("export-b", 1, "def"), ("wider", 2, "abc")):
         folders[name] = tmp_path / name
-        folders[name].mkdir()
-        (folders[name] / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+        folders[name].mkdir()  # the exporting commit is provenance, not shape
+        config = {"num_hidden_layers": layers, "hf_retrace": {"source_commit": commit, "num_assistant_tokens": 8}}
+        (folders[name] / "config.json").write_text(json.dumps(config))
     keys = {name: engine_key(str(tmp_path / "target"), "float32", 2, True, str(f)) for name, f in folders.items()}
     assert keys["export-a"] == keys["export-b"] != keys["wider"]
     assert str(tmp_path) not in keys["export-a"].extra
