@@ -23,8 +23,9 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # without a bind vLLM
 # the default target sits where hf_retrace caches it (scripts/test-vllm.sh makes it there): the user's cache, read
 # before the line below points HF_RETRACE_CACHE at this run's own
 USER_CACHE = os.environ.get("HF_RETRACE_CACHE") or "~/.cache/hf_retrace"
-# the proposer's step-cost files (keyed by each test's temporary drafter path) go to a cache of this run, not the
-# user's: no test reads a file an earlier run left, and ~/.cache/hf_retrace/cost does not fill with dead files
+# the proposer's step-cost files (keyed by the drafter's config: one for the tests' random drafters, but where a
+# test sets its own cache) go to a cache of this run, not the user's: no test reads a file an earlier run left, and
+# ~/.cache/hf_retrace/cost does not fill with dead files
 os.environ["HF_RETRACE_CACHE"] = tempfile.mkdtemp(prefix="hf-retrace-test-cache-")
 atexit.register(shutil.rmtree, os.environ["HF_RETRACE_CACHE"], ignore_errors=True)
 

@@ -71,6 +71,9 @@ def engine_run(target, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch_module.setenv(STATS_ENV, str(root / "stats.json"))
     monkeypatch_module.setenv(profile.PROFILE_ENV, "1")
+    # a step-cost cache of its own: the file is keyed by the drafter's config, which every random drafter of this
+    # test run shares, so an earlier test's file would be read instead of profiling at start-up
+    monkeypatch_module.setenv("HF_RETRACE_CACHE", str(root / "cache"))
     monkeypatch_module.setenv(steps.STEP_LOG_ENV, str(root / "steps.jsonl"))
     llm = make_llm(target, {"method": "dflash", "model": str(root / "drafter"), "num_speculative_tokens": 3})
     try:
