@@ -6,6 +6,8 @@ import os
 
 
 if os.environ.get("HF_RETRACE_DIAGNOSTIC") == "nothing_verified":
+    # the load fallback weighs each plan's predicted gain, which these plans do not carry: nothing is planned anyway
+    os.environ["HF_RETRACE_VLLM_LOAD_FALLBACK"] = "0"
     try:
         from hf_retrace_vllm.shared import speculation_retrace
     except ImportError:  # a process without the plugin (the bench's driver): nothing to patch

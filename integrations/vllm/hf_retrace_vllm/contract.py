@@ -50,6 +50,7 @@ HOOKS = (
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM.load_weights", ("self", "weights")),
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model.embed_input_ids", ("self", "input_ids")),
     ("vllm.config", "VllmConfig.num_lookahead_tokens", None),
+    ("vllm.config", "SpeculativeConfig.use_eagle_block_drop", ("self",)),
     # exact speculative sampling on CPU (sampler_patch.py)
     (SAMPLER_MODULE, "expand_batch_to_tokens", ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
     (SAMPLER_MODULE, "rejection_sample", (

@@ -19,6 +19,12 @@ Hook points (vLLM 0.32.0):
 5. `Scheduler.schedule` and `GPUModelRunner.execute_model`: each `SchedulerOutput` carries the prompt rows of the
    waiting requests the next step may admit, and an hf-retrace proposer gets them before the step runs
    (scheduler_queue.py). Read-only: the schedule and the step are unchanged.
+6. `SpeculativeConfig.use_eagle_block_drop`: for EAGLE-like drafters vLLM drops the last block of every prefix-cache
+   hit, so that its prompt rows are computed again and the drafter gets their target states. An hf-retrace drafter
+   reads its context from its own K/V cache, which the proposer fills from the target's states of every row the
+   target computes (context_kv.py) and writes before any drafter forward reads it, so its folders keep the whole
+   hit, as vLLM without speculation does. On CPU a block is 128 tokens: a prompt that repeats a cached prefix of
+   fewer than 256 tokens otherwise reuses none of it.
 """
 
 import functools
@@ -30,8 +36,12 @@ from .contract import MARK, check
 
 def is_hf_retrace_config(vllm_config) -> bool:
     """Whether the speculative config loads an hf-retrace export (a DFlash folder with an `hf_retrace` block)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or spec.method != "dflash" or spec.draft_model_config is None:
+    return is_hf_retrace_speculation(getattr(vllm_config, "speculative_config", None))
+
+
+def is_hf_retrace_speculation(spec) -> bool:
+    """Whether a `SpeculativeConfig` (or `None`) loads an hf-retrace export."""
+    if spec is None or spec.method != "dflash" or getattr(spec, "draft_model_config", None) is None:
         return False
     return isinstance(getattr(spec.draft_model_config.hf_config, "hf_retrace", None), dict)
 
@@ -39,7 +49,7 @@ def is_hf_retrace_config(vllm_config) -> bool:
 def install() -> None:
     """Checks the hook points, then patches them (once)."""
     check()
-    from vllm.config import VllmConfig
+    from vllm.config import SpeculativeConfig, VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not getattr(GPUModelRunner.__init__, MARK, False):
@@ -47,6 +57,8 @@ def install() -> None:
     lookahead = inspect.getattr_static(VllmConfig, "num_lookahead_tokens")
     if not getattr(lookahead.fget, MARK, False):
         VllmConfig.num_lookahead_tokens = property(_mark(_wrap_lookahead(lookahead.fget)), doc=lookahead.__doc__)
+    if not getattr(SpeculativeConfig.use_eagle_block_drop, MARK, False):
+        SpeculativeConfig.use_eagle_block_drop = _mark(_wrap_block_drop(SpeculativeConfig.use_eagle_block_drop))
     sampler_patch.install()
     _install_startup_profile()
     _install_scheduler_queue()
@@ -122,6 +134,14 @@ def _wrap_lookahead(original):
         return tokens
 
     return num_lookahead_tokens
+
+
+def _wrap_block_drop(original):
+    @functools.wraps(original)
+    def use_eagle_block_drop(self) -> bool:
+        return False if is_hf_retrace_speculation(self) else original(self)  # hook point 6 (module docstring)
+
+    return use_eagle_block_drop
 
 
 def profile_after_warm_up(worker) -> None:

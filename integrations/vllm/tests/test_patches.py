@@ -61,3 +61,17 @@ def test_dispatch_takes_only_hf_retrace_folders():
     assert not patches.is_hf_retrace_config(_config())  # a z-lab DFlashDraftModel folder
     assert not patches.is_hf_retrace_config(_config(method="eagle3", block={}))
     assert not patches.is_hf_retrace_config(types.SimpleNamespace(speculative_config=None))
+
+
+def test_block_drop_kept_only_for_other_drafters():
+    """vLLM's trailing-block drop (hook point 6) is off for hf-retrace folders, vLLM's own answer for the others."""
+    from vllm.config import SpeculativeConfig
+
+    hf_retrace_vllm.register()
+    use_eagle_block_drop = SpeculativeConfig.use_eagle_block_drop
+    assert getattr(use_eagle_block_drop, contract.MARK)
+    ours, theirs = _config(block={"retrace_mode": "off"}), _config()
+    for spec in (ours.speculative_config, theirs.speculative_config):
+        spec.use_eagle, spec.disable_eagle_block_drop = (lambda: True), False
+    assert use_eagle_block_drop(ours.speculative_config) is False
+    assert use_eagle_block_drop(theirs.speculative_config) is True
