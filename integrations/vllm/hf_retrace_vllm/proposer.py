@@ -89,6 +89,12 @@ class ReTraceDFlashProposer(DFlashProposer):
                 min(self.max_verified, self.policy.num_assistant_tokens),
             )  # fmt: skip
         self.num_drafts_verified = min(self.max_verified, self.policy.num_assistant_tokens)
+        if not self.speculative_config.use_eagle_block_drop():  # patches.py, hook point 6
+            logger.info(
+                "hf-retrace: prefix-cache hits keep their last block (vLLM's warning that disabling the EAGLE "
+                "trailing block drop may affect acceptance does not apply: this drafter's context comes from its "
+                "own K/V cache, written from the target's states of every computed row)"
+            )
         self._size_for_block()
         vocab_size = self.draft_model_config.hf_config.vocab_size
         self.sources = policy_sources(self.policy, self.draft_model_config.model, vocab_size)  # index built here
