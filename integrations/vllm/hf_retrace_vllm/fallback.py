@@ -28,6 +28,13 @@ there costs about what speculating would have gained, little. At batch 1 the pla
 costs most and is least needed, and the interval stays whole. A load running plain keeps its whole interval: a
 speculating probe there costs what speculating measured to lose.
 
+A load running plain learns afresh when its requests change: speculating's seconds per token are a property of the
+requests that were speculating (how often their drafts are accepted), a plain step's of the load. Once none of the
+requests of the load's last speculating plan is still decoding there (at batch 1: a new request), its speculating
+samples are dropped and it probes speculating after `min_interval` plans, not after its whole interval (up to
+`max_interval`, hundreds of steps: a batch-1 engine that measured plain faster on one request otherwise served the
+next ones plain, however repetitive). Where the same requests run on, or some of them, the schedule stays.
+
 A step's wall time, as the proposer measures it, holds the verification of the plan made at the step before and the
 making of the next plan (`propose()`), so only a step whose two plans were of the same arm is a sample of that arm.
 
@@ -64,6 +71,8 @@ class LoadArms:
     # the last 16 samples per arm: (seconds, tokens committed) of a step
     samples: dict = field(default_factory=lambda: {SPECULATE: deque(maxlen=16), PLAIN: deque(maxlen=16)})
     gains: deque = field(default_factory=lambda: deque(maxlen=16))  # the last plans' predicted gains over plain
+    speculated_for: frozenset = frozenset()  # the request ids of the load's last speculating plan
+    stale: bool = False  # running plain, and none of those requests decodes here any more: probe soon
 
     def seconds_per_token(self) -> dict:
         """`{arm: its samples' seconds summed over their committed tokens summed}` of the arms with samples."""
@@ -88,6 +97,7 @@ class LoadFallback:
 
     Attributes:
         plain_steps (`int`), probes (`int`): plans made plain, probes started.
+        turnovers (`int`): times a load running plain saw its requests change and probed again sooner.
     """
 
     def __init__(self, first_interval: int = 32, max_interval: int = 512, probe_steps: int = 6,
@@ -108,33 +118,52 @@ class LoadFallback:
         self.loads: dict[int, LoadArms] = {}
         self._probe: list | None = None  # [load key, arm, plans left]
         self._arms = deque([None, None], maxlen=2)  # the arms of the last two plans, the older one verified now
-        self.plain_steps = self.probes = 0
+        self.plain_steps = self.probes = self.turnovers = 0
 
     def _load(self, key: int) -> LoadArms:
         return self.loads.setdefault(key, LoadArms(self.first_interval))
 
-    def choose(self, requests: int) -> str:
-        """The arm of the plan made now for `requests` decoding requests (0: nothing to plan, `"speculate"`)."""
+    def choose(self, requests: int, request_ids=None) -> str:
+        """The arm of the plan made now for `requests` decoding requests (0: nothing to plan, `"speculate"`), whose
+        ids are `request_ids` (an iterable of `requests` ids; `None`: not known, the requests never count as
+        changed)."""
         if requests <= 0:
             self._arms.append(None)
             return SPECULATE
         key = load_key(requests)
+        ids = None if request_ids is None else frozenset(request_ids)
         arm = self._probing(key)
         if arm is None:
             load = self._load(key)
+            self._turnover(load, ids)
             load.since_probe += 1
             arm = load.arm
             if load.since_probe >= self.due(load):
                 arm = _other(load.arm)
                 self._probe = [key, arm, self.probe_steps - 1]
                 self.probes += 1
+        if arm == SPECULATE and ids is not None:
+            self._load(key).speculated_for = ids
         self._arms.append(arm)
         self.plain_steps += arm == PLAIN
         return arm
 
+    def _turnover(self, load: LoadArms, ids: frozenset | None) -> None:
+        """At a load running plain, once none of the requests of its last speculating plan decodes (module
+        docstring): its speculating samples are dropped and its next probe comes after `min_interval` plans."""
+        if load.arm != PLAIN or load.stale or ids is None or not load.speculated_for:
+            return
+        if load.speculated_for.isdisjoint(ids):
+            load.stale, load.since_probe = True, 0
+            load.samples[SPECULATE].clear()
+            self.turnovers += 1
+
     def due(self, load: LoadArms) -> int:
         """Plans between `load`'s probes: its interval, shrunk while it speculates and its plans' median predicted
-        gain `g` is below `reference_gain` (`interval * max(g, 0) / reference_gain`, at least `min_interval`)."""
+        gain `g` is below `reference_gain` (`interval * max(g, 0) / reference_gain`, at least `min_interval`);
+        `min_interval` at most once its requests changed while it ran plain (`_turnover`)."""
+        if load.stale:
+            return min(load.interval, self.min_interval)
         if load.arm != SPECULATE or not load.gains:
             return load.interval
         scale = min(max(statistics.median(load.gains), 0.0) / self.reference_gain, 1.0)
@@ -165,6 +194,7 @@ class LoadFallback:
         load.since_probe = 0
         if min(len(s) for s in load.samples.values()) < self.min_samples:
             return  # a probe cut short by a change of load: nothing learned, the schedule stays
+        load.stale = False  # speculating measured again on the requests now running
         rates = load.seconds_per_token()
         challenger = _other(load.arm)
         if rates[challenger] < (1.0 - self.margin) * rates[load.arm]:
@@ -191,7 +221,7 @@ class LoadFallback:
             gain = round(statistics.median(load.gains), 4) if load.gains else None
             loads[str(key)] = {"arm": load.arm, "interval": load.interval, "due": self.due(load),
                                "predicted_gain": gain, "ms_per_token": rates}  # fmt: skip
-        return {"plain_steps": self.plain_steps, "probes": self.probes, "loads": loads}
+        return {"plain_steps": self.plain_steps, "probes": self.probes, "turnovers": self.turnovers, "loads": loads}
 
 
 __all__ = ["FALLBACK_ENV", "PLAIN", "SPECULATE", "LoadFallback", "load_key"]

@@ -217,7 +217,8 @@ class ReTraceDFlashProposer(DFlashProposer):
             if cap > 0:
                 requests.append((req_id, tokens, cap))
                 anchors[req_id] = (i, len(tokens) - 1)
-        self._plain = self.fallback is not None and self.fallback.choose(len(requests)) == PLAIN
+        ids = (req_id for req_id, _, _ in requests)  # a new request at a load running plain: it probes again soon
+        self._plain = self.fallback is not None and self.fallback.choose(len(requests), ids) == PLAIN
         if self._plain:  # no lookups, no plan: every request verifies nothing
             self._counted_waiting = 0
             return None, proposals, {}, retained

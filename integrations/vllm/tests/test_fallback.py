@@ -170,6 +170,76 @@ def test_a_large_predicted_gain_keeps_the_whole_interval():
     assert arms[:32] == [SPECULATE] * 31 + [PLAIN]
 
 
+class RequestsEngine(Engine):
+    """Batch 1 serving one request after another: `costs[(arm, request)]` as `Engine`'s, the request's id given to
+    the fallback with each plan."""
+
+    def step(self, fallback: LoadFallback, request: str) -> str:
+        arm = fallback.choose(1, [request])
+        if self.previous is not None:
+            verify, committed, _ = self.costs[(self.previous, request)]
+            fallback.observe(verify + self.costs[(arm, request)][2], committed, 1, decode_only=True)
+        self.previous = arm
+        return arm
+
+
+# request "prose" drafts badly (1.1 tokens in 50 ms: 48 ms a token against a plain step's 40); "code" repeats itself
+# (3 tokens in 50 ms: 18 ms a token)
+PER_REQUEST = {
+    (SPECULATE, "prose"): (0.050, 1.1, 0.003), (PLAIN, "prose"): (0.040, 1, 0.0005),
+    (SPECULATE, "code"): (0.050, 3.0, 0.003), (PLAIN, "code"): (0.040, 1, 0.0005),
+}  # fmt: skip
+
+
+def serve(fallback, engine, request, steps):
+    return [engine.step(fallback, request) for _ in range(steps)]
+
+
+def test_a_new_request_at_a_load_running_plain_probes_speculating_soon():
+    fallback, engine = LoadFallback(), RequestsEngine(PER_REQUEST)
+    serve(fallback, engine, "prose", 400)
+    load = fallback.loads[load_key(1)]
+    assert load.arm == PLAIN and load.interval >= 256 and fallback.turnovers == 0
+    arms = serve(fallback, engine, "code", 60)
+    # 8 plain plans, a probe of 6 speculating ones, then speculating: the samples of "prose" were dropped
+    assert fallback.turnovers == 1 and arms[:7] == [PLAIN] * 7 and arms[7:13] == [SPECULATE] * 6
+    assert load.arm == SPECULATE and arms[13:44] == [SPECULATE] * 31 and not load.stale  # until its plain probe
+    assert load.seconds_per_token()[SPECULATE] == pytest.approx(0.053 / 3)
+
+
+def test_without_request_ids_a_load_running_plain_keeps_its_interval():
+    fallback, engine = LoadFallback(), Engine({**COSTS, (SPECULATE, 1): (0.050, 1.1, 0.003)})
+    run(fallback, engine, 1, 400)
+    engine.costs[(SPECULATE, 1)] = (0.050, 3.0, 0.003)  # the next request repeats itself, unseen by the fallback
+    arms = run(fallback, engine, 1, 60)
+    assert fallback.loads[load_key(1)].arm == PLAIN and arms.count(SPECULATE) == 0
+
+
+def test_a_new_request_that_drafts_badly_too_stays_plain_and_the_next_one_probes_again():
+    fallback, engine = LoadFallback(), RequestsEngine(PER_REQUEST)
+    serve(fallback, engine, "prose", 400)
+    engine.costs.update({(arm, "prose-2"): engine.costs[(arm, "prose")] for arm in (SPECULATE, PLAIN)})
+    arms = serve(fallback, engine, "prose-2", 60)
+    load = fallback.loads[load_key(1)]
+    assert fallback.turnovers == 1 and arms.count(SPECULATE) == 6 and load.arm == PLAIN and not load.stale
+    engine.costs.update({(arm, "prose-3"): engine.costs[(arm, "prose")] for arm in (SPECULATE, PLAIN)})
+    assert serve(fallback, engine, "prose-3", 60).count(SPECULATE) == 6 and fallback.turnovers == 2
+
+
+def test_requests_that_change_in_part_keep_the_schedule():
+    fallback = LoadFallback()
+    for _ in range(300):  # 8 running where speculating loses: plain
+        fallback.choose(8, [f"a{i}" for i in range(8)])
+        fallback.observe(0.05, 8 if fallback._arms[0] == PLAIN else 6, 8, decode_only=True)
+    load = fallback.loads[load_key(8)]
+    assert load.arm == PLAIN and not load.stale
+    fallback.choose(8, [f"a{i}" for i in range(4)] + [f"b{i}" for i in range(4)])  # half of them new
+    assert not load.stale and fallback.turnovers == 0
+    fallback.choose(8, [f"b{i}" for i in range(8)])  # none of them left
+    assert load.stale and fallback.turnovers == 1 and fallback.due(load) == fallback.min_interval
+    assert fallback.as_dict()["turnovers"] == 1
+
+
 def test_load_buckets_are_quarter_octaves():
     assert [load_key(n) for n in (1, 2, 8, 9, 16, 28, 32)] == [0, 4, 12, 13, 16, 19, 20]
 

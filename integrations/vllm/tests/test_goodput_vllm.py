@@ -274,7 +274,12 @@ def test_goodput_with_forced_costs_is_lossless(target, goodput_folder, plain_sho
 class AlwaysPlain(LoadFallback):
     """A fallback whose every plan is plain (as at a load where plain steps measured faster)."""
 
-    def choose(self, requests: int) -> str:
+    seen_ids: set = set()  # the request ids the proposer gave with its plans
+
+    def choose(self, requests: int, request_ids=None) -> str:
+        ids = list(request_ids)
+        assert len(ids) == requests, (requests, ids)
+        AlwaysPlain.seen_ids.update(ids)
         self._arms.append(PLAIN if requests > 0 else None)
         self.plain_steps += requests > 0
         return PLAIN
@@ -289,6 +294,8 @@ def test_plain_steps_of_the_fallback_are_lossless_and_propose_nothing(target, go
     assert stats["drafter_forwards"] == 0 and sum(stats["cycles"].values()) == 0, stats
     fallback = stats["fallback"]
     assert fallback["plain_steps"] > MAX_TOKENS and fallback["probes"] == 0, fallback
+    # each decoding request's id came with the plans: PROMPTS[0] alone, then each of PROMPTS (and maybe "Hello")
+    assert 1 + len(PROMPTS) <= len(AlwaysPlain.seen_ids) <= 2 + len(PROMPTS), AlwaysPlain.seen_ids
     # the plain steps' seconds per token are kept by load: one request alone, then all PROMPTS at once
     kept = {key: load["ms_per_token"] for key, load in fallback["loads"].items()}
     assert all(set(ms) == {PLAIN} and ms[PLAIN] > 0 for ms in kept.values()) and len(kept) >= 2, kept
