@@ -17,7 +17,9 @@
 _hf_retrace_vllm_env() {
   local root tcmalloc iomp preload part
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-  tcmalloc="$(ldconfig -p 2>/dev/null | awk '$1 == "libtcmalloc_minimal.so.4" { print $NF; exit }')"
+  # awk reads to the end: exiting at the match closes the pipe, ldconfig dies of SIGPIPE, and under the launcher's
+  # `set -o pipefail` the assignment fails (exit 141, no message) whenever ldconfig had more left to write
+  tcmalloc="$(ldconfig -p 2>/dev/null | awk '$1 == "libtcmalloc_minimal.so.4" && !found { print $NF; found = 1 }')"
   if [ -z "$tcmalloc" ]; then
     echo "vllm-env: libtcmalloc_minimal.so.4 not found (ldconfig -p); run scripts/setup-vllm.sh" >&2
     return 1
