@@ -7,6 +7,10 @@ prompt) and prints, per call, the prompt tokens, those read from the prefix cach
     scripts/vllm-env.sh .venv-vllm/bin/python benchmarks/diagnostics/prefix_reuse.py prompts.json \\
         [--drafter EXPORTED_FOLDER [--block-drop]]
 
+`--no-prefix-caching --calls 3` times the prefill itself: every call computes every prompt token, so the calls of
+an engine with a drafter beside those of vLLM alone (engines alternated, each alone on the cores) show what the
+drafter adds to a prefill.
+
 `prompts.json`: a JSON list of prompts, each a list of token ids. Without `--drafter`, vLLM alone. `--block-drop`
 puts back vLLM's own rule for EAGLE-like drafters (the last block of every hit is computed again), which the plugin
 turns off for hf-retrace folders (`hf_retrace_vllm/patches.py`, hook point 6), so one checkout measures both.
@@ -26,6 +30,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
     parser.add_argument("--block-drop", action="store_true", help="vLLM's EAGLE rule: drop each hit's last block")
     parser.add_argument("--max-new-tokens", type=int, default=1, help="1: the calls time the prefill alone")
+    parser.add_argument("--calls", type=int, default=2, help="calls of the same prompts, one after another")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="every call computes every prompt token")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process, where the patch below acts
     from vllm import LLM, SamplingParams
@@ -49,11 +55,11 @@ def main() -> None:
     if args.drafter:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.target, dtype="float32", max_model_len=4096, speculative_config=spec, seed=0,
-              max_num_seqs=len(prompts))  # fmt: skip
+              max_num_seqs=len(prompts), enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
     print(f"block size {llm.llm_engine.vllm_config.cache_config.block_size}, "
           f"block drop {bool(spec) and llm.llm_engine.vllm_config.speculative_config.use_eagle_block_drop()}")
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
-    for call in ("first", "again"):
+    for call in ["first"] + ["again"] * (args.calls - 1):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
