@@ -50,6 +50,8 @@ def vllm_preload_env(repo: Path = REPO, disabled: bool = False) -> tuple[dict, d
     From `scripts/vllm-env.sh` when it exists (sourced in a subshell; every variable it sets or changes is taken),
     else `LD_PRELOAD` built from the libraries found on this machine. The record's `missing` lists the libraries of
     `PRELOAD_LIBS` absent from `LD_PRELOAD`; whether they were really loaded is what the worker reports (`preloaded`).
+    The record names the libraries by file name only: it is committed with the results, and their folders are this
+    machine's.
     """
     if disabled:
         missing = list(PRELOAD_LIBS)
@@ -67,7 +69,8 @@ def vllm_preload_env(repo: Path = REPO, disabled: bool = False) -> tuple[dict, d
         source = "search" + (f" ({ENV_FILE} failed to source)" if (repo / ENV_FILE).is_file() else "")
     preload = updates.get("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
     missing = [lib for lib in PRELOAD_LIBS if lib not in preload]
-    return updates, {"source": source, "LD_PRELOAD": preload, "variables": sorted(updates), "missing": missing}
+    named = ":".join(Path(lib).name for lib in preload.split(":") if lib)
+    return updates, {"source": source, "LD_PRELOAD": named, "variables": sorted(updates), "missing": missing}
 
 
 class VllmWorker:

@@ -377,6 +377,7 @@ def test_preloads_from_the_env_file(tmp_path, monkeypatch):
     updates, record = serving_engines.vllm_preload_env(tmp_path)
     assert updates == {"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4:/y/libiomp5.so", "HF_RETRACE_T": "1"}
     assert record["source"] == "scripts/vllm-env.sh" and record["missing"] == []
+    assert record["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:libiomp5.so"  # no machine's folders in the record
     env_file.write_text("echo missing >&2; return 1\n")  # a failing env file: the libraries are searched instead
     (tmp_path / ".venv-vllm" / "lib").mkdir(parents=True)
     (tmp_path / ".venv-vllm" / "lib" / "libiomp5.so").write_bytes(b"")
