@@ -58,6 +58,7 @@ HOOKS = (
         "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode", "synthetic_conditional_rates",
         "use_fp64_gumbel")),
     (SAMPLER_MODULE, "generate_uniform_probs", ("num_tokens", "num_draft_tokens", "generators", "device")),
+    (SAMPLER_MODULE, "RejectionSampler.forward", ("self", "metadata", "draft_probs", "logits", "sampling_metadata")),
     # read by the proposer's step bookkeeping and the start-up profile (profile.py)
     ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.load_model", ("self", "target_model")),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_run",

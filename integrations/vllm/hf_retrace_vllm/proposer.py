@@ -404,7 +404,7 @@ class ReTraceDFlashProposer(DFlashProposer):
         if self.fallback is not None:
             self._observe_fallback(counted and split[2] == 0)
         self.stats.record_step(self.last_step.timings())
-        if self.online_datastore is not None:
+        if self.online_datastore is not None and self.stats.due(final=self._request_ended):  # a walk of every index
             self.stats.record_online_datastore_bytes(self.online_datastore.nbytes())
         self.stats.write(final=self._request_ended)
         if sum(self.stats.cycles.values()) // 200 != self._logged:

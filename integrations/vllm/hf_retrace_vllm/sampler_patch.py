@@ -20,6 +20,13 @@ The patch (CPU tensors only; other devices keep vLLM's functions):
    per-request generators as vLLM's (`generate_uniform_probs`, one exponential draw a request for the recovered
    token), so a request's `seed` still fixes its output. Greedy requests keep argmax verification, and a batch of
    greedy requests only still goes through vLLM's own function, untouched.
+3. `RejectionSampler.forward`, for a step that verifies no draft at all (no request has one: the plugin's plain steps,
+   or any method's step with nothing proposed): vLLM's own sampler on the step's logits, the very call vLLM makes
+   without a speculative config. With a speculative config every step goes through the rejection sampler, which for
+   zero drafts still samples every request's bonus token with full-vocabulary logits kept for logprobs and runs its
+   draft stages on empty tensors: ~1.5 ms a step of 32 requests on two cores, 1% of a decode step. Each request's
+   token is drawn from the same processed target distribution with the same generator calls. Steps that ask for
+   logprobs keep vLLM's path (it lays them out per draft position).
 """
 
 import functools
@@ -30,8 +37,9 @@ from .contract import MARK, SAMPLER_MODULE
 
 
 def install() -> None:
-    """Replaces `expand_batch_to_tokens` and `rejection_sample` in vLLM's rejection sampler module (once).
-    `RejectionSampler.forward` and `apply_sampling_constraints` look both up as module globals at call time."""
+    """Replaces `expand_batch_to_tokens` and `rejection_sample` in vLLM's rejection sampler module, and
+    `RejectionSampler.forward` (once). `RejectionSampler.forward` and `apply_sampling_constraints` look the first two
+    up as module globals at call time."""
     import importlib
 
     module = importlib.import_module(SAMPLER_MODULE)
@@ -41,6 +49,32 @@ def install() -> None:
             patched = wrap(original)
             setattr(patched, MARK, True)
             setattr(module, name, patched)
+    sampler_class = module.RejectionSampler
+    if not getattr(sampler_class.forward, MARK, False):
+        patched = _wrap_forward(sampler_class.forward)
+        setattr(patched, MARK, True)
+        sampler_class.forward = patched
+
+
+def verifies_nothing(metadata, logits: torch.Tensor, sampling_metadata) -> bool:
+    """Whether a step's rejection sampling reduces to plain sampling (module docstring, 3.): no request has a draft,
+    so `logits` `[batch, V]` holds one row a request, in order (`bonus_logits_indices` is `0 .. batch-1`), and no
+    logprobs are asked for. CPU tensors only."""
+    return (
+        logits.device.type == "cpu" and metadata.max_spec_len == 0
+        and logits.shape[0] == metadata.bonus_logits_indices.shape[0]
+        and sampling_metadata.max_num_logprobs is None and not sampling_metadata.logprob_token_ids
+    )  # fmt: skip
+
+
+def _wrap_forward(original):
+    @functools.wraps(original)
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        if verifies_nothing(metadata, logits, sampling_metadata):
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+        return original(self, metadata, draft_probs, logits, sampling_metadata)
+
+    return forward
 
 
 def expand_batch_to_tokens(

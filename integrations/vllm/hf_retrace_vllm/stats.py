@@ -33,7 +33,9 @@ class ProposerStats:
         steps (`int`): proposer calls timed through `record_step` (one per engine step).
         timings (`dict[str, float]`): seconds spent in each timed part of those steps, in total (`policy`,
             `drafter`, ...: the names are the proposer's), so `timings[name] / steps` is that part's time per step.
-        online_datastore_bytes (`int`, *optional*): the online datastore's peak size in bytes; `None` without one.
+        online_datastore_bytes (`int`, *optional*): the online datastore's peak size in bytes, sampled when the file
+            is written (whenever a request ends, when its running index is largest, and every `WRITE_INTERVAL`);
+            `None` without one.
         prediction (`dict`, *optional*): the goodput policy's predictions beside the measured steps
             (`steps.PredictionLedger.as_dict()`); `None` under the fixed policy.
         step_costs (`dict`, *optional*): where the goodput policy's step-cost model came from (`source`) and its

@@ -127,6 +127,58 @@ def test_mixed_greedy_and_sampled_batch():
     assert_follows(sampled_rows[:, 0], p0, "sampled rows beside greedy ones")
 
 
+def _seeded(md, seeds: dict[int, int]):
+    """`md` with a fresh seeded generator for each batch row in `seeds`."""
+    md.generators = {i: torch.Generator().manual_seed(seed) for i, seed in seeds.items()}
+    md.all_random = False
+    return md
+
+
+def test_a_step_without_drafts_samples_as_vllm_without_speculation(monkeypatch):
+    """No request has a draft: the rejection sampler's result is vLLM's plain sampler's on the same logits (sampler
+    patch, 3.), token for token for greedy and seeded sampled rows alike, without the draft stages; a step with one
+    draft, or asking for logprobs, keeps the rejection path."""
+    import hf_retrace_vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    hf_retrace_vllm.register()
+    current_platform.register_triton_kernel_overrides()
+    temperatures = [0.0, 1.0, 0.7, 0.0, 1.3, 1.0]
+    seeds = {1: 11, 2: 12, 4: 14, 5: 15}
+    batch = len(temperatures)
+    logits = torch.randn(batch, V, generator=torch.Generator().manual_seed(3)) * 2.0  # one row a request
+    meta = SpecDecodeMetadata.make_dummy([[] for _ in range(batch)], torch.device("cpu"))
+    meta.bonus_logits_indices = torch.arange(batch, dtype=torch.int32)  # as the runner lays out zero drafts
+    sampler = rejection_sampler.RejectionSampler(Sampler())
+
+    def md():
+        return _seeded(sampling_metadata(temperatures, None, None), seeds)
+
+    plain = Sampler()(logits.clone(), md()).sampled_token_ids  # vLLM without a speculative config
+    full = rejection_sampler.RejectionSampler.forward.__wrapped__(sampler, meta, None, logits.clone(), md())
+    assert rejection_sampler.RejectionSampler.forward.__wrapped__ is not rejection_sampler.RejectionSampler.forward
+
+    def no_draft_stage(*args, **kwargs):
+        raise AssertionError("the draft stages ran")
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", no_draft_stage)
+    out = sampler(meta, None, logits.clone(), md()).sampled_token_ids
+    assert out.shape == (batch, 1) and out.dtype == torch.int32
+    assert torch.equal(out, plain) and torch.equal(out, full.sampled_token_ids)
+    assert torch.equal(out[[0, 3], 0].long(), logits[[0, 3]].argmax(-1))
+
+    one_draft = SpecDecodeMetadata.make_dummy([[5]] + [[] for _ in range(batch - 1)], torch.device("cpu"))
+    with pytest.raises(AssertionError, match="draft stages"):
+        sampler(one_draft, None, torch.randn(batch + 1, V), md())
+    asks_logprobs = md()
+    asks_logprobs.max_num_logprobs = 2
+    with pytest.raises(AssertionError, match="draft stages"):
+        sampler(meta, None, logits.clone(), asks_logprobs)
+
+
 # (temperature, top_p, top_k) of the engine-level requests: every combination the checks above cover
 CONFIGS = [(0.7, None, None), (1.0, None, None), (1.0, 0.9, None), (0.8, None, 50)]
 SEEDS = 3
