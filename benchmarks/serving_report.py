@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from serving_methods import GROUPS
-from serving_records import GREEDY, SAMPLED, TAU_NOTE
+from serving_records import GREEDY, SAMPLED, TAU_NOTE, portable
 
 
 PROPOSER_SOURCES = ("lookup", "datastore", "online_datastore", "draft")  # the plugin proposer's cycles by source
@@ -289,7 +289,9 @@ def plot(rows: list[dict], path: Path) -> str | None:
 
 
 def write_outputs(output_dir: Path, rows, batches, run_info, failures, skipped) -> None:
+    """Writes `results.json` and `results.md`, naming no machine's paths (`serving_records.portable`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    rows, run_info = portable(rows), portable(run_info)
     per_batch = [
         {k: v for k, v in asdict(b).items() if k != "outputs"} | {"new_tokens": [len(o) for o in b.outputs]}
         for b in batches

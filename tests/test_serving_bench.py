@@ -504,3 +504,12 @@ def test_records_name_no_machine_path(tmp_path, monkeypatch):
         "preload": "/lib/libtcmalloc.so:.venv-vllm/lib/libiomp5.so", "n": 3,
         "target": "$HF_RETRACE_CACHE/smollm2", "card": "~/cards/x", "ok": "abc/def",
     }  # fmt: skip
+
+
+def test_the_serving_record_names_no_machine_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
+    info = _run_info() | {"target": str(tmp_path / "cache" / "smollm2-135m-instruct")}
+    report.write_outputs(tmp_path / "out", [], [], info, [], [])
+    for name in ("results.json", "results.md"):
+        text = (tmp_path / "out" / name).read_text()
+        assert "$HF_RETRACE_CACHE/smollm2-135m-instruct" in text and str(tmp_path) not in text, name
